@@ -1,0 +1,1 @@
+"""Fused Triton kernels of megatron_lrattn, importable as ``lrattn_kernels``."""

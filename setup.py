@@ -1,0 +1,33 @@
+"""Packaging for megatron_lrattn.
+
+torch is deliberately not a hard requirement: on a machine without it, an unpinned
+``torch`` pulls a multi-GB CUDA build. Install torch first (see README.md).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_lrattn",
+    version="0.1.0",
+    description="Low-Rank Attention Residuals (LR-AttnRes) for Megatron-core pretraining",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_lrattn", "megatron_lrattn.*"]) + ["lrattn_kernels"],
+    package_dir={"lrattn_kernels": "kernels"},
+    install_requires=[
+        "megatron-core>=0.16.1,<0.20",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "transformers>=4.45",
+        "tqdm",
+        "numpy<2.4",
+    ],
+    extras_require={
+        "triton": ["triton>=3.2"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={
+        "console_scripts": [
+            "lrattn-pretrain=megatron_lrattn.cli.pretrain:main",
+            "lrattn-preprocess=megatron_lrattn.cli.preprocess:main",
+        ],
+    },
+)
