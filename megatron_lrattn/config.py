@@ -1,0 +1,112 @@
+"""Model configuration: Megatron's ``TransformerConfig`` plus the depth-attention fields."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+RESIDUAL_MODES = ("standard", "attnres", "lr_attnres")
+KEY_TYPES = ("sliced", "projected")
+DEPTH_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination is not allowed; the message says which and why."""
+
+
+def _bad(field: str, value, allowed: str) -> ConfigError:
+    return ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+
+
+@dataclass
+class LRAttnResConfig(TransformerConfig):
+    """``TransformerConfig`` with the residual-stream settings of (LR-)AttnRes.
+
+    The math is in DESIGN.md: every sub-layer input is a softmax over earlier depth
+    sources (the embedding, completed block sums, and the running partial block sum)
+    instead of the plain residual sum.
+    """
+
+    residual: str = "lr_attnres"
+    """Residual mode: ``standard`` (plain PreNorm residual sum, identical to stock
+    Megatron), ``attnres`` (depth attention with full d-wide keys) or ``lr_attnres``
+    (depth attention with rank-r keys)."""
+
+    key: str = "sliced"
+    """Routing-key type for ``lr_attnres``: ``sliced`` (key = last r coordinates of the
+    source, no extra parameters) or ``projected`` (output projections emit r extra key
+    rows). ``attnres`` requires ``sliced``."""
+
+    rank: Optional[int] = None
+    """Key rank r. Default: hidden_size // 4 for ``lr_attnres``, hidden_size for
+    ``attnres``; must stay None for ``standard``."""
+
+    num_blocks: int = 8
+    """Number of depth blocks N, 1 <= N <= 2 * num_layers. N = 2 * num_layers is full
+    granularity (every sub-layer output is its own source)."""
+
+    key_norm_eps: float = 1e-6
+    """Epsilon of the stateless RMS normalisation applied to keys."""
+
+    depth_scale: float = 1.0
+    """Logit scale tau of the depth softmax (must be finite and > 0)."""
+
+    depth_backend: str = "auto"
+    """Depth-read implementation: ``torch`` (reference), ``triton`` (fused kernels) or
+    ``auto`` (fused on CUDA when available, otherwise the reference)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.residual not in RESIDUAL_MODES:
+            raise _bad("residual", self.residual, f"one of {', '.join(RESIDUAL_MODES)}")
+        if self.key not in KEY_TYPES:
+            raise _bad("key", self.key, f"one of {', '.join(KEY_TYPES)}")
+        if self.depth_backend not in DEPTH_BACKENDS:
+            raise _bad("depth_backend", self.depth_backend, f"one of {', '.join(DEPTH_BACKENDS)}")
+        d = self.hidden_size
+        if self.residual == "standard":
+            if self.rank is not None:
+                raise _bad("rank", self.rank, "rank applies only to residual attnres/lr_attnres")
+            if self.key != "sliced":
+                raise _bad("key", self.key, "key types apply only to residual lr_attnres")
+            return
+        if self.residual == "attnres":
+            if self.key != "sliced":
+                raise _bad("key", self.key, "attnres keys are the full sources; use lr_attnres")
+            if self.rank is None:
+                self.rank = d
+            if self.rank != d:
+                raise _bad(
+                    "rank", self.rank, f"attnres uses r = hidden_size = {d}; use lr_attnres"
+                )
+        elif self.rank is None:
+            self.rank = max(1, d // 4)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
+            raise _bad("rank", self.rank, "an integer")
+        if not 1 <= self.rank <= d:
+            raise _bad("rank", self.rank, f"1 <= rank <= hidden_size ({d})")
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int):
+            raise _bad("num_blocks", self.num_blocks, "an integer")
+        if not 1 <= self.num_blocks <= 2 * self.num_layers:
+            raise _bad(
+                "num_blocks",
+                self.num_blocks,
+                f"1 <= num_blocks <= 2 * num_layers ({2 * self.num_layers})",
+            )
+        if not (self.key_norm_eps > 0 and math.isfinite(self.key_norm_eps)):
+            raise _bad("key_norm_eps", self.key_norm_eps, "a finite number > 0")
+        if not (self.depth_scale > 0 and math.isfinite(self.depth_scale)):
+            raise _bad("depth_scale", self.depth_scale, "a finite number > 0")
+
+    @property
+    def uses_depth_attention(self) -> bool:
+        """True for ``attnres`` and ``lr_attnres``."""
+        return self.residual != "standard"
+
+    @property
+    def projected_keys(self) -> bool:
+        """True when sub-layers emit projected keys."""
+        return self.residual == "lr_attnres" and self.key == "projected"
