@@ -1,0 +1,122 @@
+"""Transformer block that owns the per-microbatch depth-source cache."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
+from torch import Tensor, nn
+
+from megatron_lrattn.depth_state import DepthState, rms_normalize
+from megatron_lrattn.layer import DepthQuery
+from megatron_lrattn.pipeline import pack_state, unpack_state
+from megatron_lrattn.schedule import schedule_from_config
+
+
+class LRAttnResBlock(TransformerBlock):
+    """``TransformerBlock`` for depth attention.
+
+    The stage's first layer starts from the embedding (first stage) or from the packed
+    depth state received from the previous stage; every layer adds its two outputs to the
+    ``DepthState``; the last stage reads site 2L with ``final_depth_query`` before the final
+    norm, other stages send the packed state on.
+
+    ``GPTModel`` constructs a plain ``TransformerBlock``; ``adopt`` turns that block (whose
+    layers were already built from our spec) into this class and adds the block-level
+    depth parameters, so nothing is built twice.
+    """
+
+    @classmethod
+    def adopt(cls, block: TransformerBlock) -> "LRAttnResBlock":
+        """Convert a freshly built ``TransformerBlock`` in place and return it."""
+        if type(block) is not TransformerBlock:
+            raise TypeError(f"expected a TransformerBlock, got {type(block).__name__}")
+        block.__class__ = cls
+        block._init_depth()
+        return block
+
+    def _init_depth(self) -> None:
+        config = self.config
+        self.schedule = schedule_from_config(config)
+        if config.recompute_granularity == "full":
+            raise ValueError("recompute_granularity='full' is not supported with depth attention")
+        sp = config.sequence_parallel
+        self.final_depth_query = DepthQuery(config.rank, sp) if self.post_process else None
+        self.embedding_key_proj = None
+        if self.pre_process and config.projected_keys:
+            self.embedding_key_proj = nn.Linear(config.hidden_size, config.rank, bias=False)
+            config.init_method(self.embedding_key_proj.weight)
+            self.embedding_key_proj.weight.sequence_parallel = sp
+        first = self.layers[0].layer_number if len(self.layers) else None
+        self._sublayers_before = 2 * (first - 1) if first is not None else None
+
+    def _start_state(self, hidden_states: Tensor) -> DepthState:
+        if self.pre_process:
+            key = None
+            if self.embedding_key_proj is not None:
+                key = rms_normalize(self.embedding_key_proj(hidden_states), self.config.key_norm_eps)
+            return DepthState(embedding=hidden_states, embedding_key=key)
+        return unpack_state(
+            self.input_tensor,
+            self.schedule,
+            self._sublayers_before,
+            self.config.hidden_size,
+            self.config.projected_keys,
+        )
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask: Optional[Tensor],
+        context: Optional[Tensor] = None,
+        context_mask: Optional[Tensor] = None,
+        rotary_pos_emb: Optional[Tensor] = None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        rotary_pos_cos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[Tensor] = None,
+        padding_mask: Optional[Tensor] = None,
+        *,
+        inference_params=None,
+        dynamic_inference_decode_only: Optional[bool] = None,
+    ) -> Tensor:
+        """Run the stage's layers on the depth state.
+
+        Returns:
+            The final-normed read of site 2L [s, b, d] on the last stage, otherwise the
+            packed depth state (see ``megatron_lrattn.pipeline``).
+        """
+        unsupported = {
+            "context": context,
+            "rotary_pos_cos_sin": rotary_pos_cos_sin,
+            "inference_context": inference_context or inference_params,
+        }
+        bad = [k for k, v in unsupported.items() if v is not None]
+        if bad:
+            raise NotImplementedError(
+                f"LRAttnResBlock does not support {', '.join(bad)}; generation runs through "
+                "the Hugging Face export (lrattn-convert-hf)"
+            )
+        if isinstance(hidden_states, WrappedTensor):
+            hidden_states = hidden_states.unwrap()
+        state = self._start_state(hidden_states)
+        for layer in self.layers:
+            state = layer(
+                state,
+                attention_mask=attention_mask,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+            )
+        if not self.post_process:
+            return make_viewless_tensor(inp=pack_state(state), requires_grad=True, keep_graph=True)
+        out = state.read(self.final_depth_query.weight, self.config)
+        if self.final_layernorm is not None:
+            out = self.final_layernorm(out)
+        return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)

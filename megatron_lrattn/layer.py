@@ -1,0 +1,128 @@
+"""Transformer layer whose sub-layer inputs are depth reads instead of a residual sum."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor, nn
+
+from megatron_lrattn.depth_state import DepthState, rms_normalize
+from megatron_lrattn.schedule import schedule_from_config
+
+
+class DepthQuery(nn.Module):
+    """One static depth-read query q ([r]), zero-initialised and always kept in fp32.
+
+    Megatron casts whole models to bf16 (``Float16Module``); a bf16 query stalls training,
+    so this module casts its parameter back to fp32 after any dtype conversion.
+    """
+
+    def __init__(self, rank: int, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rank, dtype=torch.float32))
+        # Replicated across TP ranks; under SP its gradient is a partial sum over the
+        # local tokens and Megatron reduces parameters carrying this attribute.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
+
+    def forward(self) -> Tensor:  # pragma: no cover - queries are read as .weight
+        return self.weight
+
+
+class LRAttnResLayer(TransformerLayer):
+    """``TransformerLayer`` for ``attnres`` / ``lr_attnres``.
+
+    Layer l (global, 1-based) runs sub-layers 2l-1 (attention) and 2l (MLP). The input of
+    its attention is read site 2l-2 (the embedding itself for l = 1) and the input of its
+    MLP is read site 2l-1; the layer owns the queries of those two sites. Each sub-layer's
+    output (bias added, dropout applied) is added to the ``DepthState`` instead of to a
+    residual stream. The layer math is single-device: parallelism comes from the Megatron
+    modules inside it and from parameter attributes.
+    """
+
+    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None):
+        if not getattr(config, "uses_depth_attention", False):
+            raise ValueError(
+                "LRAttnResLayer needs an LRAttnResConfig with residual attnres or lr_attnres; "
+                "residual standard uses megatron-core's TransformerLayer"
+            )
+        if config.recompute_granularity == "full":
+            raise ValueError(
+                "recompute_granularity='full' is not supported with depth attention; "
+                "use 'selective'"
+            )
+        super().__init__(config, submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        if self.is_moe_layer:
+            raise ValueError("MoE MLPs are not supported with depth attention yet")
+        self.schedule = schedule_from_config(config)
+        sp = config.sequence_parallel
+        # Site 0 (the first layer's attention input) is the embedding: no query.
+        self.input_depth_query = (
+            DepthQuery(config.rank, sp) if self.layer_number > 1 else None
+        )
+        self.pre_mlp_depth_query = DepthQuery(config.rank, sp)
+
+    def _sublayer_output(self, output_with_bias) -> tuple[Tensor, Optional[Tensor]]:
+        out, bias = output_with_bias
+        if bias is not None:
+            out = out + bias
+        out = F.dropout(out, p=self.hidden_dropout, training=self.training)
+        if not self.config.projected_keys:
+            return out, None
+        d = self.config.hidden_size
+        value, key = out.split([d, out.shape[-1] - d], dim=-1)
+        return value.contiguous(), rms_normalize(key, self.config.key_norm_eps)
+
+    def forward(
+        self,
+        depth_state: DepthState,
+        attention_mask: Optional[Tensor] = None,
+        rotary_pos_emb: Optional[Tensor] = None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> DepthState:
+        """Run attention and MLP on depth reads and add their outputs to ``depth_state``.
+
+        Args:
+            depth_state: sources after sub-layer 2l-2; updated in place and returned.
+            attention_mask, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, attention_bias,
+                packed_seq_params: passed to self-attention as in ``TransformerLayer``.
+
+        Returns:
+            The same ``DepthState``, now holding the outputs of sub-layers 2l-1 and 2l.
+        """
+        attn_site = 2 * self.layer_number - 2
+        if depth_state.num_sublayers_done != attn_site:
+            raise RuntimeError(
+                f"layer {self.layer_number} expects the state after sub-layer {attn_site}, "
+                f"got one after sub-layer {depth_state.num_sublayers_done}"
+            )
+        if self.input_depth_query is None:
+            x = depth_state.embedding
+        else:
+            x = depth_state.read(self.input_depth_query.weight, self.config)
+        attn = self.self_attention(
+            self.input_layernorm(x),
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
+        depth_state.add(*self._sublayer_output(attn), self.schedule.closes_block(attn_site + 1))
+
+        x = depth_state.read(self.pre_mlp_depth_query.weight, self.config)
+        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        depth_state.add(*self._sublayer_output(mlp), self.schedule.closes_block(attn_site + 2))
+        return depth_state

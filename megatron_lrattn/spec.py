@@ -1,0 +1,79 @@
+"""Layer specs: stock megatron-core modules plus our layer, key-emitting projections and
+SDPA core attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_lrattn.attention import SDPACoreAttention
+from megatron_lrattn.layer import LRAttnResLayer
+
+SPEC_BACKENDS = ("local",)
+CORE_ATTENTION = ("auto", "local", "sdpa")
+
+
+class KeyEmittingRowParallelLinear(RowParallelLinear):
+    """Row-parallel output projection with r extra output rows that emit the routing key.
+
+    ``d_in -> d + r``; the key rows are reduced across tensor-parallel ranks together with
+    the value rows. The layer splits the output and RMS-normalises the key.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+        super().__init__(input_size, output_size + config.rank, config=config, **kwargs)
+
+
+def get_lr_attnres_layer_spec(
+    config,
+    backend: str = "local",
+    normalization: str = "RMSNorm",
+    qk_layernorm: bool = False,
+    core_attention: str = "auto",
+) -> ModuleSpec:
+    """Transformer-layer spec for a residual mode.
+
+    Args:
+        config: ``LRAttnResConfig``; its ``residual`` and ``key`` choose the layer.
+        backend: module backend, ``local`` (megatron-core modules). ``te`` is planned.
+        normalization: ``RMSNorm`` or ``LayerNorm``.
+        qk_layernorm: normalise queries and keys of self-attention.
+        core_attention: ``local`` (megatron's DotProductAttention), ``sdpa`` or ``auto``
+            (``sdpa`` when CUDA is available).
+
+    Returns:
+        A ``ModuleSpec``: megatron-core's own local spec for ``standard`` (with only the
+        core attention swapped when ``sdpa`` is chosen), ``LRAttnResLayer`` otherwise.
+    """
+    if backend not in SPEC_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not available; allowed: {SPEC_BACKENDS}")
+    if core_attention not in CORE_ATTENTION:
+        raise ValueError(f"core_attention={core_attention!r}; allowed: {CORE_ATTENTION}")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"normalization={normalization!r}; allowed: RMSNorm, LayerNorm")
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    if core_attention == "auto":
+        core_attention = "sdpa" if torch.cuda.is_available() else "local"
+    sub = spec.submodules
+    attn_sub = sub.self_attention.submodules
+    mlp_sub = sub.mlp.submodules
+    if core_attention == "sdpa":
+        attn_sub = dataclasses.replace(attn_sub, core_attention=SDPACoreAttention)
+    if not config.uses_depth_attention:
+        self_attention = dataclasses.replace(sub.self_attention, submodules=attn_sub)
+        return dataclasses.replace(
+            spec, submodules=dataclasses.replace(sub, self_attention=self_attention)
+        )
+    if config.projected_keys:
+        attn_sub = dataclasses.replace(attn_sub, linear_proj=KeyEmittingRowParallelLinear)
+        mlp_sub = dataclasses.replace(mlp_sub, linear_fc2=KeyEmittingRowParallelLinear)
+    layer_sub = dataclasses.replace(
+        sub,
+        self_attention=dataclasses.replace(sub.self_attention, submodules=attn_sub),
+        mlp=dataclasses.replace(sub.mlp, submodules=mlp_sub),
+    )
+    return ModuleSpec(module=LRAttnResLayer, submodules=layer_sub)
