@@ -1,0 +1,345 @@
+"""Fused Triton depth read: forward and backward for sliced and projected keys.
+
+    s_i = scale * <q, RMS(k_i)>,   a = softmax_i(s) (fp32),   out = sum_i a_i v_i
+
+Sources are never stacked: the host passes a pointer table (int64 ``data_ptr`` of every
+source, cast back to a typed pointer inside the kernel) and a row-stride table. One
+program owns ``BT`` tokens times the whole padded width ``BD``; the forward streams the
+sources once with an online softmax, the backward streams them once more (twice when
+``save_output=False``). Only the fp32 log-sum-exp per token is written besides the
+output. Backward derivation: ``kernels/README.md``.
+
+Envelope (outside it a ``ValueError``): 1 <= d <= 8192, 1 <= S <= 256, sliced
+1 <= r <= d, projected 1 <= r <= 8192, dtypes bf16 / fp16 / fp32, CUDA tensors (CPU
+only under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_WIDTH = 8192
+MAX_SOURCES = 256
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Test hook: fill every buffer the op allocates with NaN so an unwritten element fails.
+POISON = os.environ.get("LRATTN_KERNELS_POISON", "0") == "1"
+
+# Memory/recompute knob: keep a reference to the output for the backward (one read of it
+# instead of a second pass over the sources to form delta = <grad_out, out>). The output
+# usually stays alive anyway (the next sub-layer's norm saves it); set False when it
+# would not, and the backward re-reads every source once more instead.
+SAVE_OUTPUT = os.environ.get("LRATTN_DEPTH_READ_SAVE_OUTPUT", "1") == "1"
+
+# Tile overrides for the benchmark's sweep: {"tile": elements per program, "warps": n,
+# "ctas_per_sm": persistent backward programs per SM}.
+TUNE: Dict[str, int] = {}
+
+
+@triton.jit
+def _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols, rcols, rmask,
+            qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
+    # v: [BT, BD] fp32 source rows; kf: [BT, BR] projected key (v itself when sliced)
+    v_ptr = tl.load(v_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+    v_stride = tl.load(vs_tab + i)
+    v = tl.load(v_ptr + rows64[:, None] * v_stride + cols[None, :], mask=m2, other=0.0)
+    v = v.to(tl.float32)
+    if PROJECTED:
+        k_ptr = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+        k_stride = tl.load(ks_tab + i)
+        km = rmask[:, None] & (rcols < r)[None, :]
+        kf = tl.load(k_ptr + rows64[:, None] * k_stride + rcols[None, :], mask=km, other=0.0)
+        kf = kf.to(tl.float32)
+        ss = tl.sum(kf * kf, axis=1)
+        dot = tl.sum(kf * qk[None, :], axis=1)
+    else:
+        kf = v
+        ss = tl.sum(tl.where(keycol[None, :], v * v, 0.0), axis=1)
+        dot = tl.sum(v * qk[None, :], axis=1)
+    rstd = 1.0 / tl.sqrt(ss / r + eps)
+    s = scale * dot * rstd
+    return v, kf, s, rstd
+
+
+@triton.jit
+def _query(q_ptr, cols, rcols, d, r, PROJECTED: tl.constexpr):
+    # qk: the query laid over the key columns (zero elsewhere); keycol: key-column mask
+    keycol = (cols >= d - r) & (cols < d)
+    if PROJECTED:
+        qk = tl.load(q_ptr + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+    else:
+        qk = tl.load(q_ptr + (cols - (d - r)), mask=keycol, other=0.0).to(tl.float32)
+    return qk, keycol
+
+
+@triton.jit
+def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_ptr,
+                T, S, d, r, eps, scale,
+                PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                BR: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BD)
+    rcols = tl.arange(0, BR)
+    m2 = rmask[:, None] & (cols < d)[None, :]
+    qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
+    m = tl.full([BT], float("-inf"), tl.float32)
+    l = tl.zeros([BT], tl.float32)
+    acc = tl.zeros([BT, BD], tl.float32)
+    for i in range(S):
+        v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2,
+                                 cols, rcols, rmask, qk, keycol, r, eps, scale, PROJECTED)
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        acc = acc * alpha[:, None] + p[:, None] * v
+        l = l * alpha + p
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + rows64[:, None] * d + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m2)
+    tl.store(lse_ptr + rows, m + tl.log(l), mask=rmask)
+
+
+@triton.jit
+def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
+                q_ptr, lse_ptr, g_ptr, g_stride, o_ptr, gq_part_ptr,
+                T, S, d, r, eps, scale, n_blocks,
+                PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr, BR: tl.constexpr):
+    # persistent: program p owns token blocks p, p + P, ...; one grad_q partial per program
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BD)
+    rcols = tl.arange(0, BR)
+    qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
+    if PROJECTED:
+        gq = tl.zeros([BR], tl.float32)
+    else:
+        gq = tl.zeros([BD], tl.float32)
+    for tb in range(pid, n_blocks, nprog):
+        rows = tb * BT + tl.arange(0, BT)
+        rmask = rows < T
+        rows64 = rows.to(tl.int64)
+        m2 = rmask[:, None] & (cols < d)[None, :]
+        g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+        g = g.to(tl.float32)
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+        # delta = sum_j a_j <g, v_j> = <g, out>
+        if HAS_OUT:
+            o = tl.load(o_ptr + rows64[:, None] * d + cols[None, :], mask=m2, other=0.0)
+            delta = tl.sum(g * o.to(tl.float32), axis=1)
+        else:
+            delta = tl.zeros([BT], tl.float32)
+            for i in range(S):
+                v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                         m2, cols, rcols, rmask, qk, keycol, r, eps, scale,
+                                         PROJECTED)
+                delta += tl.exp(s - lse) * tl.sum(g * v, axis=1)
+        # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after the
+        # loop with the exact delta (dex) and ck = sum_i a_i khat_i
+        dex = tl.zeros([BT], tl.float32)
+        ck = tl.zeros_like(qk[None, :] * delta[:, None])
+        for i in range(S):
+            v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2,
+                                     cols, rcols, rmask, qk, keycol, r, eps, scale, PROJECTED)
+            a = tl.exp(s - lse)
+            da = tl.sum(g * v, axis=1)
+            ds = a * (da - delta)
+            if HAS_OUT:
+                dex += a * da
+                ck += (a * rstd)[:, None] * kf
+            dv = a[:, None] * g
+            # dk = rstd * ds * (scale q - khat * s / r)
+            dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
+            gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
+            if PROJECTED:
+                dk_ptr = tl.load(dk_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+                km = rmask[:, None] & (rcols < r)[None, :]
+                tl.store(dk_ptr + rows64[:, None] * r + rcols[None, :],
+                         dk.to(kref.dtype.element_ty), mask=km)
+            else:
+                dv += tl.where(keycol[None, :], dk, 0.0)
+            dv_ptr = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+            tl.store(dv_ptr + rows64[:, None] * d + cols[None, :],
+                     dv.to(vref.dtype.element_ty), mask=m2)
+        if HAS_OUT:
+            gq += tl.sum((scale * (delta - dex))[:, None] * ck, axis=0)
+    if PROJECTED:
+        tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
+    else:
+        tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
+
+
+def _alloc(shape, dtype, device) -> Tensor:
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]:
+    """(BT, BD, BR, num_warps): BT tokens times the padded width per program."""
+    bd = triton.next_power_of_2(d)
+    br = triton.next_power_of_2(r) if projected else 1
+    tile = TUNE.get("tile", 4096)
+    bt = max(1, min(tile // bd, triton.next_power_of_2(max(T, 1))))
+    warps = TUNE.get("warps", max(4, min(16, bt * bd // 512)))
+    return bt, bd, br, warps
+
+
+def _table(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    dev = tensors[0].device
+    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=dev)
+    strides = torch.tensor([t.stride(0) for t in tensors], dtype=torch.int64, device=dev)
+    return ptrs, strides
+
+
+def _rows(t: Tensor, width: int) -> Tensor:
+    """[T, width] view with unit column stride (copies only when that is impossible)."""
+    t = t.reshape(-1, width)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_envelope(values: Sequence[Tensor], query: Tensor,
+                    keys: Optional[Sequence[Tensor]]) -> None:
+    S, d, r = len(values), values[0].shape[-1], query.shape[-1]
+    where = "lrattn_kernels.depth_read"
+    if not 1 <= S <= MAX_SOURCES:
+        raise ValueError(f"{where}: S={S} sources, supported 1..{MAX_SOURCES}")
+    if not 1 <= d <= MAX_WIDTH:
+        raise ValueError(f"{where}: d={d}, supported 1..{MAX_WIDTH}; use backend='torch'")
+    if keys is None and not 1 <= r <= d:
+        raise ValueError(f"{where}: sliced keys need 1 <= r <= d, got r={r}, d={d}")
+    if keys is not None and not 1 <= r <= MAX_WIDTH:
+        raise ValueError(f"{where}: projected r={r}, supported 1..{MAX_WIDTH}")
+    for name, ts in (("values", values), ("keys", keys or [])):
+        for t in ts:
+            if t.dtype not in DTYPES:
+                raise ValueError(f"{where}: {name} dtype {t.dtype}, supported {DTYPES}; "
+                                 "use backend='torch' for float64")
+    if not values[0].is_cuda and not _interpreting():
+        raise ValueError(f"{where}: CPU tensors need TRITON_INTERPRET=1; use backend='torch'")
+
+
+def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
+             scale: float) -> Tuple[Tensor, Tensor]:
+    T, d = vs[0].shape
+    r = query.shape[0]
+    projected = len(ks) > 0
+    out = _alloc((T, d), vs[0].dtype, vs[0].device)
+    lse = _alloc((T,), torch.float32, vs[0].device)
+    if T == 0:
+        return out, lse
+    bt, bd, br, warps = _tiles(d, r, projected, T)
+    v_tab, vs_tab = _table(vs)
+    k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
+    kref = ks[0] if projected else vs[0]
+    _fwd_kernel[(triton.cdiv(T, bt),)](
+        v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
+        T, len(vs), d, r, eps, scale,
+        PROJECTED=projected, BT=bt, BD=bd, BR=br, num_warps=warps)
+    return out, lse
+
+
+def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
+    T, d = vs[0].shape
+    r = query.shape[0]
+    projected = len(ks) > 0
+    dev = vs[0].device
+    dvs = [_alloc((T, d), v.dtype, dev) for v in vs]
+    dks = [_alloc((T, r), k.dtype, dev) for k in ks]
+    if T == 0:
+        return torch.zeros_like(query), [dv.zero_() for dv in dvs], [dk.zero_() for dk in dks]
+    g = _rows(grad_out, d)
+    bt, bd, br, warps = _tiles(d, r, projected, T)
+    n_blocks = triton.cdiv(T, bt)
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        nprog = min(n_blocks, sms * TUNE.get("ctas_per_sm", 4))
+    else:
+        nprog = min(n_blocks, 2)
+    parts = _alloc((nprog, r), torch.float32, dev)
+    v_tab, vs_tab = _table(vs)
+    dv_tab, _ = _table(dvs)
+    k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
+    dk_tab = _table(dks)[0] if projected else dv_tab
+    kref = ks[0] if projected else vs[0]
+    _bwd_kernel[(nprog,)](
+        v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vs[0], kref,
+        query, lse, g, g.stride(0), out if out is not None else g, parts,
+        T, len(vs), d, r, eps, scale, n_blocks,
+        PROJECTED=projected, HAS_OUT=out is not None, BT=bt, BD=bd, BR=br, num_warps=warps)
+    return parts.sum(0), dvs, dks
+
+
+class _DepthReadTriton(torch.autograd.Function):
+    """Fused depth read on flattened [T, d] sources; grads for query, values and keys."""
+
+    @staticmethod
+    def forward(ctx, query, eps, scale, save_output, nv, *tensors):
+        vs, ks = list(tensors[:nv]), list(tensors[nv:])
+        q = query.contiguous()
+        out, lse = _forward(vs, ks, q, eps, scale)
+        saved = (q, lse, *tensors) + ((out,) if save_output else ())
+        ctx.save_for_backward(*saved)
+        ctx.eps, ctx.scale, ctx.nv, ctx.save_output = eps, scale, nv, save_output
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, lse, *rest = ctx.saved_tensors
+        out = rest.pop() if ctx.save_output else None
+        vs, ks = rest[:ctx.nv], rest[ctx.nv:]
+        gq, dvs, dks = _backward(vs, ks, q, lse, out, grad_out, ctx.eps, ctx.scale)
+        gq = gq.to(q.dtype) if ctx.needs_input_grad[0] else None
+        return (gq, None, None, None, None, *dvs, *dks)
+
+
+def depth_read_triton(
+    values: Sequence[Tensor],
+    query: Tensor,
+    keys: Optional[Sequence[Tensor]] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    save_output: Optional[bool] = None,
+) -> Tensor:
+    """Fused depth read ``sum_i softmax_i(scale <q, RMS(k_i)>) values[i]``.
+
+    Args:
+        values: S tensors [..., d] of one shape, dtype (bf16, fp16 or fp32) and device,
+            separately allocated; each must flatten to [T, d] rows (a row stride is fine).
+        query: [r] routing query (fp32 recommended; math is fp32 regardless).
+        keys: None for sliced keys (the last r columns of each value; r == d is AttnRes),
+            or S tensors [..., r] of projected keys.
+        eps: epsilon of the key RMS normalisation.
+        scale: logit scale tau.
+        save_output: keep a reference to the output for the backward (faster; default
+            ``SAVE_OUTPUT``, env ``LRATTN_DEPTH_READ_SAVE_OUTPUT``) or re-read the sources.
+
+    Returns:
+        Tensor [..., d] in the dtype of ``values``.
+
+    Raises:
+        ValueError: outside the supported envelope (see the module docstring).
+    """
+    _check_envelope(values, query, keys)
+    shape = values[0].shape
+    d, r = shape[-1], query.shape[-1]
+    vs = [_rows(v, d) for v in values]
+    ks = [_rows(k, r) for k in keys] if keys is not None else []
+    keep = SAVE_OUTPUT if save_output is None else save_output
+    out = _DepthReadTriton.apply(query, eps, scale, keep, len(vs), *vs, *ks)
+    return out.reshape(shape)
