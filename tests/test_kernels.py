@@ -1,0 +1,214 @@
+"""Fused Triton depth read against the reference: every output and every gradient.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1`` on small shapes; the large bf16 shapes
+run only where CUDA is present (the GPU box). Errors are relative RMS against float64
+``depth_read_naive`` on the same (upcast) random inputs, with one tolerance table.
+"""
+
+import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+import lrattn_kernels.depth_read as kdr  # noqa: E402
+from megatron_lrattn.ops import depth_read  # noqa: E402
+from megatron_lrattn.ops.reference import depth_read_naive, depth_read_torch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kdr._fwd_kernel, InterpretedFunction):
+        kdr = importlib.reload(kdr)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"  # triton's interpreter
+)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes need a CUDA GPU (GPU box)")
+
+# relative RMS error vs the float64 formula, per input dtype
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(kdr, "POISON", True)
+
+
+def rel_rms(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(T, d, r, S, dtype, projected, lead=(), seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dt)
+
+    shape = (*lead, T)
+    values = [(randn(*shape, d) * (0.5 + i % 3)).requires_grad_() for i in range(S)]
+    keys = [randn(*shape, r).requires_grad_() for _ in range(S)] if projected else None
+    query = (randn(r, dt=torch.float32) * (2.0 / r**0.5)).requires_grad_()
+    grad = randn(*shape, d)
+    return values, query, keys, grad
+
+
+def grads_of(fn, values, query, keys, grad, **kw):
+    out = fn(values, query, keys, **kw)
+    tensors = [query, *values, *(keys or [])]
+    gs = torch.autograd.grad(out, tensors, grad)
+    return out, list(gs)
+
+
+def check(T, d, r, S, dtype, projected=False, save_output=True, lead=()):
+    values, query, keys, grad = make_inputs(T, d, r, S, dtype, projected, lead)
+    out, gs = grads_of(kdr.depth_read_triton, values, query, keys, grad, save_output=save_output)
+    up = [v.detach().double().requires_grad_() for v in values]
+    kup = [k.detach().double().requires_grad_() for k in keys] if keys else None
+    qup = query.detach().double().requires_grad_()
+    ref, rgs = grads_of(depth_read_naive, up, qup, kup, grad.double())
+    assert out.shape == ref.shape and out.dtype == dtype
+    names = ["query"] + [f"values[{i}]" for i in range(S)] + [f"keys[{i}]" for i in range(S if keys else 0)]
+    errs = {"out": rel_rms(out, ref)}
+    for name, g, rg, t in zip(names, gs, rgs, [query, *values, *(keys or [])]):
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        errs[name] = rel_rms(g, rg)
+    bad = {k: e for k, e in errs.items() if not e <= TOL[dtype]}
+    assert not bad, f"errors over {TOL[dtype]:.0e}: {bad}"
+    return errs
+
+
+STRESS = {
+    "sliced": (37, 64, 16, 4, False),
+    "projected": (37, 64, 24, 3, True),
+    "attnres_r_eq_d": (9, 48, 48, 5, False),
+    "r_one": (9, 32, 1, 3, False),
+    "one_source": (9, 32, 8, 1, False),
+    "one_source_projected": (9, 32, 8, 1, True),
+    "many_sources": (5, 16, 4, 40, False),
+    "many_sources_projected": (3, 16, 5, 33, True),
+    "odd_d_1000": (3, 1000, 250, 3, False),
+    "one_token": (1, 40, 10, 3, False),
+    "three_tokens": (3, 24, 6, 4, True),
+}
+
+
+@pytest.mark.parametrize("save_output", [True, False], ids=["saved_out", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(STRESS))
+def test_parity(name, dtype, save_output):
+    T, d, r, S, projected = STRESS[name]
+    check(T, d, r, S, dtype, projected, save_output)
+
+
+def test_fp16_and_leading_dims():
+    check(5, 40, 12, 3, torch.float16, lead=(2,))
+    check(4, 32, 32, 3, torch.float32, projected=True, lead=(2, 3))
+
+
+def test_reference_backend_meets_the_same_table():
+    values, query, keys, grad = make_inputs(9, 48, 12, 4, torch.bfloat16, False)
+    out, gs = grads_of(depth_read_torch, values, query, keys, grad)
+    up = [v.detach().double().requires_grad_() for v in values]
+    qup = query.detach().double().requires_grad_()
+    ref, rgs = grads_of(depth_read_naive, up, qup, None, grad.double())
+    assert max(rel_rms(a, b) for a, b in zip([out, *gs], [ref, *rgs])) <= TOL[torch.bfloat16]
+
+
+def test_strided_sources_use_their_row_stride():
+    T, d, r, S = 6, 32, 8, 3
+    values, query, keys, grad = make_inputs(T, d + 5, r, S, torch.float32, True)
+    wide = [v.detach() for v in values]
+    narrow = [w[:, 2:2 + d].requires_grad_() for w in wide]
+    kwide = [torch.randn(T, r + 3, device=DEVICE) for _ in range(S)]
+    knarrow = [k[:, :r].requires_grad_() for k in kwide]
+    g = grad[:, :d]
+    out, gs = grads_of(kdr.depth_read_triton, narrow, query, knarrow, g)
+    ref, rgs = grads_of(depth_read_torch, narrow, query, knarrow, g)
+    for a, b in zip([out, *gs], [ref, *rgs]):
+        assert rel_rms(a, b) <= TOL[torch.float32]
+
+
+def test_zero_query_is_the_mean():
+    values, query, _, _ = make_inputs(7, 24, 6, 5, torch.float32, False)
+    out = kdr.depth_read_triton(values, torch.zeros_like(query))
+    torch.testing.assert_close(out, torch.stack(values).mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_backward_is_deterministic():
+    for projected in (False, True):
+        values, query, keys, grad = make_inputs(37, 64, 16, 5, torch.bfloat16, projected)
+        _, first = grads_of(kdr.depth_read_triton, values, query, keys, grad)
+        _, second = grads_of(kdr.depth_read_triton, values, query, keys, grad)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
+
+
+def test_dispatch_through_the_public_op():
+    values, query, _, _ = make_inputs(5, 32, 8, 3, torch.float32, False)
+    a = depth_read(values, query, backend="triton")
+    assert torch.equal(a, kdr.depth_read_triton(values, query))
+
+
+def test_zero_tokens():
+    values, query, keys, grad = make_inputs(0, 16, 4, 3, torch.float32, True)
+    out, gs = grads_of(kdr.depth_read_triton, values, query, keys, grad)
+    assert out.shape == (0, 16) and all(g.abs().sum() == 0 for g in gs)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("wide", "d=8193"),
+        ("many", "S=257"),
+        ("fp64", "float64"),
+        ("sliced_r_over_d", "1 <= r <= d"),
+        ("projected_r_too_wide", "projected r=8193"),
+    ],
+)
+def test_envelope_errors(case, match):
+    v = [torch.randn(1, 16, device=DEVICE)]
+    q = torch.randn(4, device=DEVICE)
+    keys = None
+    if case == "wide":
+        v = [torch.randn(1, 8193, device=DEVICE)]
+    elif case == "many":
+        v = v * 257
+    elif case == "fp64":
+        v = [v[0].double()]
+    elif case == "sliced_r_over_d":
+        q = torch.randn(17, device=DEVICE)
+    else:
+        q = torch.randn(8193, device=DEVICE)
+        keys = [torch.randn(1, 8193, device=DEVICE)]
+    with pytest.raises(ValueError, match=match):
+        kdr.depth_read_triton(v, q, keys)
+
+
+GPU_SHAPES = {
+    "d2048_S9_sliced": (4096, 2048, 512, 9, False),
+    "d4096_S9_attnres": (4096, 4096, 4096, 9, False),
+    "d4096_S17_projected": (2048, 4096, 1024, 17, True),
+    "d2560_S9_sliced": (3001, 2560, 640, 9, False),
+    "d3072_S9_attnres": (2048, 3072, 3072, 9, False),
+    "d8192_S9_sliced": (1024, 8192, 2048, 9, False),
+    "d1000_S64_sliced": (777, 1000, 250, 64, False),
+    "d1024_S64_projected": (1024, 1024, 256, 64, True),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("save_output", [True, False], ids=["saved_out", "recompute"])
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+def test_parity_large_bf16(name, save_output):
+    T, d, r, S, projected = GPU_SHAPES[name]
+    check(T, d, r, S, torch.bfloat16, projected, save_output)
