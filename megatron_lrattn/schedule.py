@@ -73,7 +73,9 @@ class DepthSchedule:
         return next(k for k, end in enumerate(self.block_ends, start=1) if sublayer <= end)
 
     def block_start(self, block: int) -> int:
-        """First sub-layer of 1-based block ``block``."""
+        """First sub-layer of 1-based block ``block`` (1..N)."""
+        if not 1 <= block <= self.num_blocks:
+            raise ValueError(f"block={block} is outside 1..{self.num_blocks}")
         return 1 if block == 1 else self.block_ends[block - 2] + 1
 
     def closes_block(self, sublayer: int) -> bool:

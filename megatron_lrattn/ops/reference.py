@@ -31,7 +31,7 @@ def _rms(k: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
 
 def _logits(keys: Sequence[Tensor], query: Tensor, eps: float, scale: float) -> Tensor:
     """[S, T] logits in accumulation dtype."""
-    q = _acc(query)
+    q = query.to(torch.promote_types(keys[0].dtype, torch.float32))
     return torch.stack([scale * (_rms(k, eps)[0] @ q) for k in keys])
 
 
@@ -61,7 +61,7 @@ class _DepthRead(torch.autograd.Function):
         projected = len(tensors) > nv
         keys = tensors[nv:] if projected else [v[:, -r:] for v in values]
         g = _acc(grad_out)
-        q = _acc(query)
+        q = query.to(torch.promote_types(keys[0].dtype, torch.float32))
         probs = torch.exp(_logits(keys, query, eps, scale) - lse)  # [S, T]
         # da_i = <g, v_i>; ds_i = a_i (da_i - sum_j a_j da_j)
         da = torch.stack([(g * v).sum(-1) for v in values])
