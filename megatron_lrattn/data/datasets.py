@@ -1,0 +1,219 @@
+"""Train/valid/test GPT datasets over Megatron indexed datasets, with blending.
+
+Thin layer over megatron-core's ``BlendedMegatronDatasetBuilder`` + ``GPTDataset``: parses a
+Megatron-style blend (``["0.7", "a", "0.3", "b"]``), checks inputs up front with one-line
+errors, and keeps the index caches in one directory. Works with and without
+``torch.distributed``; when it is initialized, rank 0 builds the index caches first and the
+other ranks read them (the cache directory must then be shared by all ranks).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_lrattn.data.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass
+class LRGPTDatasetConfig(GPTDatasetConfig):
+    """``GPTDatasetConfig`` plus where :class:`CachedGPTDataset` keeps its indices."""
+
+    index_cache_dir: Optional[str] = None
+    """Directory for the document/sample/shuffle index caches of every GPTDataset."""
+
+
+class CachedGPTDataset(GPTDataset):
+    """``GPTDataset`` that caches its indices in ``config.index_cache_dir``.
+
+    The builder's own ``path_to_cache`` stays None: megatron-core's ``BlendedDataset`` only
+    supports a cache when ``torch.distributed`` is initialized, while its blending indices
+    are cheap to rebuild in memory. This keeps the GPT index caches (the expensive part) in
+    one known directory in both modes.
+    """
+
+    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config):
+        cache_dir = getattr(config, "index_cache_dir", None)
+        if cache_dir is not None:
+            config = copy.copy(config)
+            config.path_to_cache = cache_dir
+        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+
+
+def parse_blend(data_prefix_or_blend: str | os.PathLike | Sequence) -> tuple[list[str], Optional[list[float]]]:
+    """Parse a data path the way Megatron's ``--data-path`` does.
+
+    Args:
+        data_prefix_or_blend: one prefix; a list of prefixes (weighted by their sizes); or
+            alternating weights and prefixes, e.g. ``[0.7, "a", 0.3, "b"]`` (strings or
+            numbers). A single string is split on whitespace.
+
+    Returns:
+        ``(prefixes, weights)`` with ``weights`` None when not given.
+    """
+    if isinstance(data_prefix_or_blend, (str, os.PathLike)):
+        items = str(data_prefix_or_blend).split()
+    else:
+        items = [str(x) for x in data_prefix_or_blend]
+    if not items:
+        raise DataError("empty data path")
+
+    def _is_number(text: str) -> bool:
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if len(items) == 1:
+        return items, None
+    if all(not _is_number(x) for x in items):
+        return items, None
+    if len(items) % 2 or not all(_is_number(w) for w in items[0::2]):
+        raise DataError(f"data path must alternate weight and prefix: {' '.join(items)}")
+    weights = [float(w) for w in items[0::2]]
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"blend weights must be non-negative with a positive sum: {weights}")
+    return items[1::2], weights
+
+
+def _check_prefixes(prefixes: Sequence[str], split: str) -> None:
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise DataError(f"dataset file not found: {prefix}{suffix}")
+        num_docs = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+        for name, bookends in zip(SPLIT_NAMES, matrix):
+            if bookends is None:
+                continue
+            begin, end = (int(round(b * num_docs)) for b in bookends)
+            if end <= begin:
+                raise DataError(
+                    f"the {name} split of {prefix} is empty ({num_docs} documents, split "
+                    f"{split}); give it a larger share (e.g. split '98,1,1') or weight 0 "
+                    f"(e.g. '99,1,0')"
+                )
+
+
+def default_index_cache_dir() -> str:
+    """``$LRATTN_CACHE/gpt_indices``, default ``~/.cache/megatron_lrattn/gpt_indices``."""
+    root = os.environ.get("LRATTN_CACHE") or os.path.join(Path.home(), ".cache", "megatron_lrattn")
+    return os.path.join(root, "gpt_indices")
+
+
+def build_gpt_datasets(
+    data_prefix_or_blend: str | os.PathLike | Sequence,
+    tokenizer,
+    seq_length: int,
+    *,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    num_samples: Sequence[Optional[int]] = (None, None, None),
+    cache_dir: str | os.PathLike | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = False,
+    is_built_on_rank: Callable[[], bool] | None = None,
+) -> tuple:
+    """Build (train, valid, test) GPT datasets through megatron-core's builder.
+
+    Each sample is a dict of tensors of length ``seq_length``: ``tokens`` and ``labels``
+    (``labels[i] == tokens[i + 1]``: the two are windows of one ``seq_length + 1`` token
+    span), ``loss_mask`` (float), ``position_ids`` (and ``attention_mask`` when asked for).
+
+    Args:
+        data_prefix_or_blend: see :func:`parse_blend`; e.g. ``"data/a"`` or
+            ``["0.7", "data/a", "0.3", "data/b"]``. Each prefix names a ``.bin``/``.idx`` pair.
+        tokenizer: an object with ``vocab_size``, ``eod`` and ``unique_identifiers``
+            (e.g. :class:`~megatron_lrattn.data.tokenizer.HFTokenizer`).
+        seq_length: tokens per sample.
+        split: train/valid/test document shares, as Megatron's ``--split``; each prefix is
+            split by documents.
+        seed: seed of the document and sample shuffles (same seed, same order).
+        num_samples: samples per split; None builds one epoch of that split. Required for
+            every used split when blend weights are given.
+        cache_dir: where the index caches go; default :func:`default_index_cache_dir`.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron's options for
+            documents packed in one sample (all off: plain causal LM over packed text).
+        create_attention_mask: also return an explicit [1, s, s] mask (off: causal masking
+            belongs to the attention kernel).
+        is_built_on_rank: Megatron's callable choosing the ranks that build (default: all).
+
+    Returns:
+        ``(train, valid, test)``; a split is None when its share is 0 (or when
+        ``is_built_on_rank`` is False on this rank).
+
+    Raises:
+        DataError: missing ``.bin``/``.idx``, a malformed blend, or an empty split.
+    """
+    prefixes, weights = parse_blend(data_prefix_or_blend)
+    num_samples = list(num_samples)
+    if len(num_samples) != 3:
+        raise DataError(f"num_samples needs 3 entries (train, valid, test), got {num_samples}")
+    if weights is not None and any(n is None for n in num_samples):
+        raise DataError("blend weights need num_samples for every split (Megatron requires it)")
+    _check_prefixes(prefixes, split)
+    cache_dir = str(cache_dir) if cache_dir is not None else default_index_cache_dir()
+    config = LRGPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        index_cache_dir=cache_dir,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        CachedGPTDataset, num_samples, is_built_on_rank or (lambda: True), config
+    )
+    train, valid, test = builder.build()
+    return train, valid, test
+
+
+def get_batch(
+    batch: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn samples of :func:`build_gpt_datasets` into model inputs.
+
+    Args:
+        batch: a collated dict (from ``torch.utils.data.DataLoader``) or a list of samples.
+        device: move the tensors there (non-blocking).
+
+    Returns:
+        ``tokens`` [b, s] int64, ``labels`` [b, s] int64, ``loss_mask`` [b, s] float32,
+        ``position_ids`` [b, s] int64.
+    """
+    if not isinstance(batch, Mapping):
+        batch = {k: torch.stack([sample[k] for sample in batch]) for k in batch[0]}
+    out = (
+        batch["tokens"].long(),
+        batch["labels"].long(),
+        batch["loss_mask"].float(),
+        batch["position_ids"].long(),
+    )
+    if device is not None:
+        out = tuple(t.to(device, non_blocking=True) for t in out)
+    return out
