@@ -51,20 +51,26 @@ def _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols, rcols
     v = tl.load(v_ptr + rows64[:, None] * v_stride + cols[None, :], mask=m2, other=0.0)
     v = v.to(tl.float32)
     if PROJECTED:
-        k_ptr = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
-        k_stride = tl.load(ks_tab + i)
-        km = rmask[:, None] & (rcols < r)[None, :]
-        kf = tl.load(k_ptr + rows64[:, None] * k_stride + rcols[None, :], mask=km, other=0.0)
-        kf = kf.to(tl.float32)
-        ss = tl.sum(kf * kf, axis=1)
-        dot = tl.sum(kf * qk[None, :], axis=1)
+        kf, s, rstd = _key(i, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, r, eps, scale)
     else:
         kf = v
         ss = tl.sum(tl.where(keycol[None, :], v * v, 0.0), axis=1)
-        dot = tl.sum(v * qk[None, :], axis=1)
-    rstd = 1.0 / tl.sqrt(ss / r + eps)
-    s = scale * dot * rstd
+        rstd = 1.0 / tl.sqrt(ss / r + eps)
+        s = scale * tl.sum(v * qk[None, :], axis=1) * rstd
     return v, kf, s, rstd
+
+
+@triton.jit
+def _key(i, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, r, eps, scale):
+    # projected key i: kf [BT, BR] fp32, logit s and inverse RMS rstd [BT]
+    k_ptr = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+    k_stride = tl.load(ks_tab + i)
+    km = rmask[:, None] & (rcols < r)[None, :]
+    kf = tl.load(k_ptr + rows64[:, None] * k_stride + rcols[None, :], mask=km, other=0.0)
+    kf = kf.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+    s = scale * tl.sum(kf * qk[None, :], axis=1) * rstd
+    return kf, s, rstd
 
 
 @triton.jit
@@ -111,7 +117,7 @@ def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_pt
 
 @triton.jit
 def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
-                q_ptr, lse_ptr, g_ptr, g_stride, o_ptr, gq_part_ptr,
+                q_ptr, lse_ptr, g_ptr, g_stride, o_ptr, da_ptr, gq_part_ptr,
                 T, S, d, r, eps, scale, n_blocks,
                 PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr, BR: tl.constexpr):
@@ -121,10 +127,7 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
     cols = tl.arange(0, BD)
     rcols = tl.arange(0, BR)
     qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
-    if PROJECTED:
-        gq = tl.zeros([BR], tl.float32)
-    else:
-        gq = tl.zeros([BD], tl.float32)
+    gq = tl.zeros_like(qk)
     for tb in range(pid, n_blocks, nprog):
         rows = tb * BT + tl.arange(0, BT)
         rmask = rows < T
@@ -133,46 +136,67 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
         g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
         g = g.to(tl.float32)
         lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
-        # delta = sum_j a_j <g, v_j> = <g, out>
-        if HAS_OUT:
-            o = tl.load(o_ptr + rows64[:, None] * d + cols[None, :], mask=m2, other=0.0)
-            delta = tl.sum(g * o.to(tl.float32), axis=1)
-        else:
+        if PROJECTED:
+            # values once (dv = a g, exact delta, da_i parked in fp32 scratch), then keys only
             delta = tl.zeros([BT], tl.float32)
             for i in range(S):
                 v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
                                          m2, cols, rcols, rmask, qk, keycol, r, eps, scale,
                                          PROJECTED)
-                delta += tl.exp(s - lse) * tl.sum(g * v, axis=1)
-        # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after the
-        # loop with the exact delta (dex) and ck = sum_i a_i khat_i
-        dex = tl.zeros([BT], tl.float32)
-        ck = tl.zeros_like(qk[None, :] * delta[:, None])
-        for i in range(S):
-            v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2,
-                                     cols, rcols, rmask, qk, keycol, r, eps, scale, PROJECTED)
-            a = tl.exp(s - lse)
-            da = tl.sum(g * v, axis=1)
-            ds = a * (da - delta)
-            if HAS_OUT:
-                dex += a * da
-                ck += (a * rstd)[:, None] * kf
-            dv = a[:, None] * g
-            # dk = rstd * ds * (scale q - khat * s / r)
-            dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
-            gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
-            if PROJECTED:
+                a = tl.exp(s - lse)
+                da = tl.sum(g * v, axis=1)
+                delta += a * da
+                tl.store(da_ptr + i * T + rows64, da, mask=rmask)
+                dv_ptr = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+                tl.store(dv_ptr + rows64[:, None] * d + cols[None, :],
+                         (a[:, None] * g).to(vref.dtype.element_ty), mask=m2)
+            tl.debug_barrier()
+            for i in range(S):
+                kf, s, rstd = _key(i, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, r, eps,
+                                   scale)
+                a = tl.exp(s - lse)
+                ds = a * (tl.load(da_ptr + i * T + rows64, mask=rmask, other=0.0) - delta)
+                # dk = rstd * ds * (scale q - khat * s / r)
+                dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
+                gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
                 dk_ptr = tl.load(dk_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
                 km = rmask[:, None] & (rcols < r)[None, :]
                 tl.store(dk_ptr + rows64[:, None] * r + rcols[None, :],
                          dk.to(kref.dtype.element_ty), mask=km)
+        else:
+            # delta = sum_j a_j <g, v_j> = <g, out>
+            if HAS_OUT:
+                o = tl.load(o_ptr + rows64[:, None] * d + cols[None, :], mask=m2, other=0.0)
+                delta = tl.sum(g * o.to(tl.float32), axis=1)
             else:
-                dv += tl.where(keycol[None, :], dk, 0.0)
-            dv_ptr = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
-            tl.store(dv_ptr + rows64[:, None] * d + cols[None, :],
-                     dv.to(vref.dtype.element_ty), mask=m2)
-        if HAS_OUT:
-            gq += tl.sum((scale * (delta - dex))[:, None] * ck, axis=0)
+                delta = tl.zeros([BT], tl.float32)
+                for i in range(S):
+                    v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref,
+                                             rows64, m2, cols, rcols, rmask, qk, keycol, r,
+                                             eps, scale, PROJECTED)
+                    delta += tl.exp(s - lse) * tl.sum(g * v, axis=1)
+            # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after
+            # the loop with the exact delta (dex) and ck = sum_i a_i khat_i
+            dex = tl.zeros([BT], tl.float32)
+            ck = tl.zeros_like(qk[None, :] * delta[:, None])
+            for i in range(S):
+                v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                         m2, cols, rcols, rmask, qk, keycol, r, eps, scale,
+                                         PROJECTED)
+                a = tl.exp(s - lse)
+                da = tl.sum(g * v, axis=1)
+                ds = a * (da - delta)
+                if HAS_OUT:
+                    dex += a * da
+                    ck += (a * rstd)[:, None] * v
+                dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
+                gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
+                dv = a[:, None] * g + tl.where(keycol[None, :], dk, 0.0)
+                dv_ptr = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+                tl.store(dv_ptr + rows64[:, None] * d + cols[None, :],
+                         dv.to(vref.dtype.element_ty), mask=m2)
+            if HAS_OUT:
+                gq += tl.sum((scale * (delta - dex))[:, None] * ck, axis=0)
     if PROJECTED:
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
     else:
@@ -276,11 +300,14 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
     k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
     dk_tab = _table(dks)[0] if projected else dv_tab
     kref = ks[0] if projected else vs[0]
+    # projected keys need no output: delta is exact after one pass over the values
+    da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
+    has_out = out is not None and not projected
     _bwd_kernel[(nprog,)](
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vs[0], kref,
-        query, lse, g, g.stride(0), out if out is not None else g, parts,
+        query, lse, g, g.stride(0), out if has_out else g, da, parts,
         T, len(vs), d, r, eps, scale, n_blocks,
-        PROJECTED=projected, HAS_OUT=out is not None, BT=bt, BD=bd, BR=br, num_warps=warps)
+        PROJECTED=projected, HAS_OUT=has_out, BT=bt, BD=bd, BR=br, num_warps=warps)
     return parts.sum(0), dvs, dks
 
 
@@ -292,6 +319,7 @@ class _DepthReadTriton(torch.autograd.Function):
         vs, ks = list(tensors[:nv]), list(tensors[nv:])
         q = query.contiguous()
         out, lse = _forward(vs, ks, q, eps, scale)
+        save_output = save_output and not ks
         saved = (q, lse, *tensors) + ((out,) if save_output else ())
         ctx.save_for_backward(*saved)
         ctx.eps, ctx.scale, ctx.nv, ctx.save_output = eps, scale, nv, save_output

@@ -90,6 +90,7 @@ def check(T, d, r, S, dtype, projected=False, save_output=True, lead=()):
 STRESS = {
     "sliced": (37, 64, 16, 4, False),
     "projected": (37, 64, 24, 3, True),
+    "projected_two_sources": (8, 32, 8, 2, True),
     "attnres_r_eq_d": (9, 48, 48, 5, False),
     "r_one": (9, 32, 1, 3, False),
     "one_source": (9, 32, 8, 1, False),
