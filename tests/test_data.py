@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lrattn.data.corpus import iter_stdlib_documents, list_stdlib_sources, write_stdlib_corpus
+from megatron_lrattn.data.corpus import (
+    iter_stdlib_documents,
+    list_stdlib_sources,
+    write_stdlib_corpus,
+)
 from megatron_lrattn.data.errors import DataError
 from megatron_lrattn.data.preprocess import output_dtype, preprocess
 from megatron_lrattn.data.tokenizer import EOD_TOKEN, HFTokenizer, train_bpe_tokenizer
@@ -103,7 +107,9 @@ def test_preprocess_text_inputs_and_workers(workdir, tok_dir, tok):
     (src / "a.txt").write_text("first line\n\nsecond line\n", encoding="utf-8")
     (src / "b.md").write_text("third\n", encoding="utf-8")
     per_file = preprocess(src, workdir / "txt_doc", tok_dir, append_eod=False)
-    per_line = preprocess(src, workdir / "txt_line", tok_dir, split_lines=True, workers=2, chunk_size=1)
+    per_line = preprocess(
+        src, workdir / "txt_line", tok_dir, split_lines=True, workers=2, chunk_size=1
+    )
     assert (per_file.documents, per_line.documents) == (2, 3)
     _, arrays = _read_docs(str(workdir / "txt_doc"))
     assert [tok.detokenize(a) for a in arrays] == ["first line\n\nsecond line\n", "third\n"]
@@ -189,7 +195,8 @@ def test_gpt_datasets_blend(workdir, prefix, tok, tok_dir, docs):
     preprocess(other, workdir / "ds" / "other", tok_dir)
     blend = ["0.7", prefix, "0.3", str(workdir / "ds" / "other")]
     train, valid, test = build_gpt_datasets(
-        blend, tok, 64, split="80,10,10", seed=3, num_samples=(200, 20, 20), cache_dir=workdir / "cb"
+        blend, tok, 64, split="80,10,10", seed=3, num_samples=(200, 20, 20),
+        cache_dir=workdir / "cb",
     )
     assert (len(train), len(valid), len(test)) == (200, 20, 20)
     share = np.bincount(train.dataset_index, minlength=2) / len(train)
@@ -249,6 +256,31 @@ def test_default_data_is_cached(workdir):
     assert not second.built and second.data_prefix == first.data_prefix
     assert bin_path.stat().st_mtime_ns == mtime
     assert HFTokenizer(second.tokenizer_dir).vocab_size == 300
-    assert not any(p.name.startswith(".tmp") for p in (workdir / "cache" / "default_data").iterdir())
+    leftovers = (workdir / "cache" / "default_data").glob(".tmp*")
+    assert not list(leftovers)
     other = ensure_default_data(workdir / "cache", vocab_size=320, max_bytes=100_000)
     assert other.built and other.root != first.root
+
+
+def test_default_data_killed_build_leaves_no_cache(workdir, monkeypatch):
+    from megatron_lrattn.data import default_corpus
+
+    def boom(tmp, *args):
+        (tmp / "partial.bin").write_bytes(b"x")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(default_corpus, "_build", boom)
+    with pytest.raises(KeyboardInterrupt):
+        default_corpus.ensure_default_data(workdir / "killed", vocab_size=300, max_bytes=1000)
+    assert list((workdir / "killed" / "default_data").iterdir()) == []
+
+
+def test_cli_success(workdir, corpus, tok_dir, capsys):
+    from megatron_lrattn.cli.preprocess import main
+
+    out = workdir / "cli_ok" / "x"
+    rc = main(["--input", corpus.path, "--output-prefix", str(out), "--tokenizer", str(tok_dir),
+               "--no-progress"])
+    assert rc == 0
+    assert f"{corpus.documents} documents" in capsys.readouterr().out
+    assert Path(f"{out}.bin").is_file() and Path(f"{out}.idx").is_file()

@@ -49,15 +49,17 @@ class CachedGPTDataset(GPTDataset):
     one known directory in both modes.
     """
 
-    def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config):
+    def __init__(self, indexed_dataset, dataset_path, indices, num_samples, index_split, config):
         cache_dir = getattr(config, "index_cache_dir", None)
         if cache_dir is not None:
             config = copy.copy(config)
             config.path_to_cache = cache_dir
-        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+        super().__init__(indexed_dataset, dataset_path, indices, num_samples, index_split, config)
 
 
-def parse_blend(data_prefix_or_blend: str | os.PathLike | Sequence) -> tuple[list[str], Optional[list[float]]]:
+def parse_blend(
+    data_prefix_or_blend: str | os.PathLike | Sequence,
+) -> tuple[list[str], Optional[list[float]]]:
     """Parse a data path the way Megatron's ``--data-path`` does.
 
     Args:

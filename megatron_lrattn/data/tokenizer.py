@@ -112,8 +112,8 @@ class HFTokenizer:
 
             self._hf = AutoTokenizer.from_pretrained(self.path)
         except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DataError(f"cannot load tokenizer from {path}: {first_line}") from None
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            raise DataError(f"cannot load tokenizer from {path}: {lines[0]}") from None
         self._backend = getattr(self._hf, "backend_tokenizer", None)
         self._eod = self._find_eod(eod_token)
         self.unique_identifiers = OrderedDict(
@@ -188,7 +188,8 @@ class HFTokenizer:
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode many texts (in parallel inside the Rust backend when available)."""
         if self._backend is not None:
-            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+            encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+            return [e.ids for e in encodings]
         return [self._hf.encode(t, add_special_tokens=False) for t in texts]
 
     def detokenize(self, ids: Sequence[int]) -> str:
