@@ -226,10 +226,15 @@ def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]
 
 
 def _table(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Device int64 tables of data pointers and row strides, copied without a host sync
+    (pinned staging buffer; PyTorch's host allocator keeps it until the copy is done)."""
     dev = tensors[0].device
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=dev)
-    strides = torch.tensor([t.stride(0) for t in tensors], dtype=torch.int64, device=dev)
-    return ptrs, strides
+    host = [[t.data_ptr() for t in tensors], [t.stride(0) for t in tensors]]
+    if dev.type == "cuda":
+        tab = torch.tensor(host, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+    else:
+        tab = torch.tensor(host, dtype=torch.int64)
+    return tab[0], tab[1]
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
