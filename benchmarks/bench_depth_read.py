@@ -48,7 +48,8 @@ def rel_rms(x, ref):
 def git_sha():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True)
+        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                                      stderr=subprocess.DEVNULL)
         dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "kernels", "benchmarks"],
                                 cwd=root)
         return sha.strip() + ("-dirty" if dirty else "")
