@@ -18,6 +18,7 @@ setup(
         "safetensors>=0.4",
         "transformers>=4.45",
         "tqdm",
+        "psutil",
         "numpy<2.4",
     ],
     extras_require={

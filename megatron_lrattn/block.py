@@ -19,8 +19,10 @@ class LRAttnResBlock(TransformerBlock):
 
     The stage's first layer starts from the embedding (first stage) or from the packed
     depth state received from the previous stage; every layer adds its two outputs to the
-    ``DepthState``; the last stage reads site 2L with ``final_depth_query`` before the final
-    norm, other stages send the packed state on.
+    ``DepthState``; the last stage reads site 2L before the final norm, other stages send the
+    packed state on. ``depth_queries`` holds one fp32 query per read site of this chunk,
+    keyed by the global site number (``depth_queries.<site>.weight``), so a checkpoint does
+    not depend on the pipeline layout.
 
     ``GPTModel`` constructs a plain ``TransformerBlock``; ``adopt`` turns that block (whose
     layers were already built from our spec) into this class and adds the block-level
@@ -42,7 +44,12 @@ class LRAttnResBlock(TransformerBlock):
         if config.recompute_granularity == "full":
             raise ValueError("recompute_granularity='full' is not supported with depth attention")
         sp = config.sequence_parallel
-        self.final_depth_query = DepthQuery(config.rank, sp) if self.post_process else None
+        sites = []
+        for layer in self.layers:
+            sites += [s for s in (2 * layer.layer_number - 2, 2 * layer.layer_number - 1) if s]
+        if self.post_process:
+            sites.append(self.schedule.num_sites)
+        self.depth_queries = nn.ModuleDict({str(s): DepthQuery(config.rank, sp) for s in sites})
         self.embedding_key_proj = None
         if self.pre_process and config.projected_keys:
             self.embedding_key_proj = nn.Linear(config.hidden_size, config.rank, bias=False)
@@ -50,6 +57,9 @@ class LRAttnResBlock(TransformerBlock):
             self.embedding_key_proj.weight.sequence_parallel = sp
         first = self.layers[0].layer_number if len(self.layers) else None
         self._sublayers_before = 2 * (first - 1) if first is not None else None
+
+    def _query(self, site: int) -> Tensor:
+        return self.depth_queries[str(site)].weight
 
     def _start_state(self, hidden_states: Tensor) -> DepthState:
         if self.pre_process:
@@ -105,8 +115,11 @@ class LRAttnResBlock(TransformerBlock):
             hidden_states = hidden_states.unwrap()
         state = self._start_state(hidden_states)
         for layer in self.layers:
+            first_site = 2 * layer.layer_number - 2
             state = layer(
                 state,
+                self._query(first_site) if first_site else None,
+                self._query(first_site + 1),
                 attention_mask=attention_mask,
                 rotary_pos_emb=rotary_pos_emb,
                 rotary_pos_cos=rotary_pos_cos,
@@ -116,7 +129,7 @@ class LRAttnResBlock(TransformerBlock):
             )
         if not self.post_process:
             return make_viewless_tensor(inp=pack_state(state), requires_grad=True, keep_graph=True)
-        out = state.read(self.final_depth_query.weight, self.config)
+        out = state.read(self._query(self.schedule.num_sites), self.config)
         if self.final_layernorm is not None:
             out = self.final_layernorm(out)
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)

@@ -7,7 +7,8 @@ checkpoint writer allocate small bookkeeping tensors with ``device="cuda"`` or
 
 * ``torch.cuda.current_device`` returns ``"cpu"``; ``torch.cuda.synchronize`` is a no-op;
 * a global ``TorchFunctionMode`` maps any CUDA device argument, ``Tensor.cuda()`` and
-  ``Tensor.to("cuda")`` to the CPU;
+  ``Tensor.to("cuda")`` to the CPU, and makes ``Tensor.type()`` report CUDA type names
+  (megatron's optimizers assert them);
 * the CUDA RNG accessors used by megatron's tracker act on the CPU default generator, so
   ``tracker.fork()`` switches the CPU stream exactly as it switches the CUDA stream on GPU.
 
@@ -56,6 +57,9 @@ class _CPUDeviceMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron asserts e.g. ``grad.type() == 'torch.cuda.FloatTensor'``.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

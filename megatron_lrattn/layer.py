@@ -63,12 +63,6 @@ class LRAttnResLayer(TransformerLayer):
         if self.is_moe_layer:
             raise ValueError("MoE MLPs are not supported with depth attention yet")
         self.schedule = schedule_from_config(config)
-        sp = config.sequence_parallel
-        # Site 0 (the first layer's attention input) is the embedding: no query.
-        self.input_depth_query = (
-            DepthQuery(config.rank, sp) if self.layer_number > 1 else None
-        )
-        self.pre_mlp_depth_query = DepthQuery(config.rank, sp)
 
     def _sublayer_output(self, output_with_bias) -> tuple[Tensor, Optional[Tensor]]:
         out, bias = output_with_bias
@@ -84,6 +78,8 @@ class LRAttnResLayer(TransformerLayer):
     def forward(
         self,
         depth_state: DepthState,
+        input_query: Optional[Tensor],
+        pre_mlp_query: Tensor,
         attention_mask: Optional[Tensor] = None,
         rotary_pos_emb: Optional[Tensor] = None,
         rotary_pos_cos: Optional[Tensor] = None,
@@ -95,6 +91,9 @@ class LRAttnResLayer(TransformerLayer):
 
         Args:
             depth_state: sources after sub-layer 2l-2; updated in place and returned.
+            input_query: query [r] of read site 2l-2 (None for layer 1: its input is the
+                embedding).
+            pre_mlp_query: query [r] of read site 2l-1.
             attention_mask, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, attention_bias,
                 packed_seq_params: passed to self-attention as in ``TransformerLayer``.
 
@@ -107,10 +106,10 @@ class LRAttnResLayer(TransformerLayer):
                 f"layer {self.layer_number} expects the state after sub-layer {attn_site}, "
                 f"got one after sub-layer {depth_state.num_sublayers_done}"
             )
-        if self.input_depth_query is None:
+        if attn_site == 0:
             x = depth_state.embedding
         else:
-            x = depth_state.read(self.input_depth_query.weight, self.config)
+            x = depth_state.read(input_query, self.config)
         attn = self.self_attention(
             self.input_layernorm(x),
             attention_mask=attention_mask,
@@ -122,7 +121,7 @@ class LRAttnResLayer(TransformerLayer):
         )
         depth_state.add(*self._sublayer_output(attn), self.schedule.closes_block(attn_site + 1))
 
-        x = depth_state.read(self.pre_mlp_depth_query.weight, self.config)
+        x = depth_state.read(pre_mlp_query, self.config)
         mlp = self.mlp(self.pre_mlp_layernorm(x))
         depth_state.add(*self._sublayer_output(mlp), self.schedule.closes_block(attn_site + 2))
         return depth_state

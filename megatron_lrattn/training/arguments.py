@@ -1,0 +1,198 @@
+"""Command-line arguments of ``lrattn-pretrain``: Megatron-LM's flag names plus ours."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import List, Optional, Sequence
+
+from megatron_lrattn.config import DEPTH_BACKENDS, KEY_TYPES, RESIDUAL_MODES
+from megatron_lrattn.training.presets import PRESETS
+
+
+class ArgumentError(ValueError):
+    """A bad command-line value; the message names the flag and what is allowed."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (defaults are filled from ``--preset``)."""
+    p = argparse.ArgumentParser(
+        prog="lrattn-pretrain",
+        description="Pretrain a decoder LLM with (LR-)AttnRes residuals on megatron-core.",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="named model/training defaults (default: tiny)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=_positive_int)
+    g.add_argument("--hidden-size", type=_positive_int)
+    g.add_argument("--ffn-hidden-size", type=_positive_int)
+    g.add_argument("--num-attention-heads", type=_positive_int)
+    g.add_argument("--num-query-groups", type=_positive_int, default=None)
+    g.add_argument("--seq-length", type=_positive_int)
+    g.add_argument("--max-position-embeddings", type=_positive_int, default=None)
+    g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"])
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction)
+    g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"])
+    g.add_argument("--rotary-base", type=int)
+    g.add_argument("--untie-embeddings-and-output-weights", action=argparse.BooleanOptionalAction)
+    g.add_argument("--disable-bias-linear", action=argparse.BooleanOptionalAction)
+    g.add_argument("--hidden-dropout", type=float)
+    g.add_argument("--attention-dropout", type=float)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = p.add_argument_group("depth attention")
+    g.add_argument("--residual", choices=RESIDUAL_MODES)
+    g.add_argument("--key", choices=KEY_TYPES)
+    g.add_argument("--rank", type=int, default=None, help="key rank r (default d/4)")
+    g.add_argument("--num-blocks", type=int, help="depth blocks N (2L = full granularity)")
+    g.add_argument("--depth-scale", type=float, default=1.0)
+    g.add_argument("--key-norm-eps", type=float, default=1e-6)
+    g.add_argument("--depth-backend", choices=DEPTH_BACKENDS, default="auto")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=_positive_int)
+    g.add_argument("--global-batch-size", type=_positive_int)
+    g.add_argument("--train-iters", type=_positive_int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float)
+    g.add_argument("--lr-warmup-iters", type=int)
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant", "WSD"])
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD decay length (default: the last 20%% of --train-iters)")
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--adam-beta1", type=float)
+    g.add_argument("--adam-beta2", type=float)
+    g.add_argument("--clip-grad", type=float)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 parameters with fp32 main weights (default: on with CUDA)")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int)
+    g.add_argument("--sequence-parallel", action="store_true")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed-dataset prefixes, optionally weighted: [W1] P1 [W2] P2 ... "
+                        "(default: the embedded standard-library corpus)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="Hugging Face tokenizer folder (required with --data-path)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--cache-dir", default=None,
+                   help="cache for the embedded corpus and dataset indices")
+
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--log-interval", type=_positive_int)
+    g.add_argument("--eval-interval", type=_positive_int)
+    g.add_argument("--eval-iters", type=_positive_int)
+    g.add_argument("--log-json", default=None, help="JSON-lines metrics file")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse ``argv``: preset defaults first, explicit flags win. Then validate."""
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    parser.set_defaults(**{k: v for k, v in PRESETS[pre.preset].items()})
+    args = parser.parse_args(argv)
+    validate_args(args)
+    return args
+
+
+def _data_prefixes(data_path: List[str]) -> List[str]:
+    items = list(data_path)
+    try:
+        float(items[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return items
+    if len(items) % 2:
+        raise ArgumentError("--data-path: weighted form needs pairs 'WEIGHT PREFIX'")
+    for w in items[0::2]:
+        try:
+            if not float(w) > 0:
+                raise ValueError
+        except ValueError:
+            raise ArgumentError(f"--data-path: weight {w!r} is not a positive number") from None
+    return items[1::2]
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check values and combinations before anything is built or written.
+
+    Raises:
+        ArgumentError: naming the flag, the value and what is allowed.
+    """
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(
+            f"--hidden-size {args.hidden_size} is not divisible by "
+            f"--num-attention-heads {args.num_attention_heads}"
+        )
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError("--num-attention-heads must be a multiple of --num-query-groups")
+    n_sub = 2 * args.num_layers
+    if args.residual != "standard":
+        if not 1 <= args.num_blocks <= n_sub:
+            raise ArgumentError(
+                f"--num-blocks {args.num_blocks} is not allowed: 1 <= N <= 2 * --num-layers "
+                f"({n_sub})"
+            )
+        if args.rank is not None and not 1 <= args.rank <= args.hidden_size:
+            raise ArgumentError(
+                f"--rank {args.rank} is not allowed: 1 <= r <= --hidden-size ({args.hidden_size})"
+            )
+    elif args.rank is not None:
+        raise ArgumentError("--rank applies only to --residual attnres/lr_attnres")
+    if args.residual == "attnres" and args.key != "sliced":
+        raise ArgumentError("--key projected needs --residual lr_attnres (attnres keys are the sources)")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ArgumentError(f"--lr {args.lr} / --min-lr {args.min_lr}: need 0 <= min-lr <= lr, lr > 0")
+    if not 0 <= args.lr_warmup_iters <= args.train_iters:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in 0..--train-iters")
+    for flag in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, flag) < 1.0:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be in [0, 1)")
+    if not (math.isfinite(args.depth_scale) and args.depth_scale > 0):
+        raise ArgumentError(f"--depth-scale {args.depth_scale} must be a finite number > 0")
+    if args.data_path is not None:
+        for prefix in _data_prefixes(args.data_path):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ArgumentError(f"--data-path: {prefix + ext} not found")
+        if args.tokenizer_model is None:
+            raise ArgumentError("--data-path needs --tokenizer-model (a Hugging Face tokenizer folder)")
+    if args.tokenizer_model is not None and not os.path.isdir(args.tokenizer_model):
+        raise ArgumentError(f"--tokenizer-model: {args.tokenizer_model} is not a directory")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load: {args.load} is not a directory")
+    for flag in ("save", "log_json"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path)) or "."
+        if os.path.exists(path) and flag == "log_json" and os.path.isdir(path):
+            raise ArgumentError(f"--log-json: {path} is a directory")
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK):
+            raise ArgumentError(f"--{flag.replace('_', '-')}: {parent} is not writable")

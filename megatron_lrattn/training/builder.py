@@ -1,0 +1,135 @@
+"""Build config, model, optimizer and LR schedule from parsed arguments."""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lrattn.config import LRAttnResConfig
+from megatron_lrattn.model import LRAttnResGPTModel
+from megatron_lrattn.spec import get_lr_attnres_layer_spec
+
+
+def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
+    """``LRAttnResConfig`` from command-line arguments (raises ``ConfigError`` on bad values)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return LRAttnResConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.hidden_size // args.num_attention_heads,
+        normalization=args.normalization,
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        qk_layernorm=args.qk_layernorm,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        finalize_model_grads_func=finalize_model_grads,
+        residual=args.residual,
+        key=args.key,
+        rank=args.rank,
+        num_blocks=args.num_blocks,
+        key_norm_eps=args.key_norm_eps,
+        depth_scale=args.depth_scale,
+        depth_backend=args.depth_backend,
+    )
+
+
+def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: int):
+    """This rank's model chunk (pre/post-process from its pipeline position)."""
+    from megatron.core import parallel_state
+
+    spec = get_lr_attnres_layer_spec(config, qk_layernorm=args.qk_layernorm)
+    model = LRAttnResGPTModel(
+        config,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
+    return model
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Vocabulary padded to a multiple of ``multiple * tp`` (Megatron's convention)."""
+    m = multiple * tp
+    return ((vocab_size + m - 1) // m) * m
+
+
+def wrap_model(model, config: LRAttnResConfig, use_distributed_optimizer: bool):
+    """Move to the device, cast for bf16 and wrap in megatron's DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    if config.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namespace
+                    ) -> Tuple[object, object]:
+    """AdamW (1-D parameters, i.e. norms, biases and depth queries, get no weight decay)
+    and the LR schedule (warm-up then cosine, linear, constant or WSD)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        clip_grad=args.clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, models)
+    wsd_iters = None
+    if args.lr_decay_style == "WSD":
+        wsd_iters = args.lr_wsd_decay_iters or max(1, args.train_iters // 5)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.train_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=wsd_iters,
+        lr_wsd_decay_style="linear" if wsd_iters else None,
+    )
+    return optimizer, scheduler

@@ -1,0 +1,111 @@
+"""Process-group and model-parallel initialisation, seeding and run provenance."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+from dataclasses import dataclass
+from typing import Dict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_lrattn.compat import apply_cpu_compat
+
+
+@dataclass
+class Runtime:
+    """Where this process sits: device, global rank/world and the parallel layout."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0."""
+        return self.rank == 0
+
+
+def init_runtime(tp: int, pp: int, seed: int) -> Runtime:
+    """Initialise torch.distributed (env:// under torchrun, else a single process) and
+    megatron's model-parallel groups, then seed every generator.
+
+    Raises:
+        ArgumentError: when the world size is not divisible by tp * pp.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        apply_cpu_compat()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        from megatron_lrattn.training.arguments import ArgumentError
+
+        raise ArgumentError(
+            f"world size {world} is not divisible by tensor x pipeline parallel size {tp * pp}"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed + 100 * pp_rank)
+    np.random.seed(seed + 100 * pp_rank)
+    torch.manual_seed(seed + 100 * pp_rank)
+    model_parallel_cuda_manual_seed(seed + 100 * pp_rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return Runtime(device=device, rank=dist.get_rank(), world_size=world, tp=tp, pp=pp,
+                   dp=world // (tp * pp))
+
+
+def shutdown_runtime() -> None:
+    """Destroy model-parallel groups and the process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def provenance() -> Dict[str, str]:
+    """Git SHA (with a dirty flag), versions and host, for the start of every run log."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = (sha + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        sha = "unknown"
+    try:
+        from megatron.core import __version__ as mcore
+    except ImportError:
+        mcore = "unknown"
+    info = {
+        "git_sha": sha,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": mcore,
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    return info
