@@ -167,8 +167,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--key projected needs --residual lr_attnres (attnres keys are the sources)")
     if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
         raise ArgumentError(f"--lr {args.lr} / --min-lr {args.min_lr}: need 0 <= min-lr <= lr, lr > 0")
-    if not 0 <= args.lr_warmup_iters <= args.train_iters:
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in 0..--train-iters")
+    if not 0 <= args.lr_warmup_iters < args.train_iters:
+        raise ArgumentError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} is not allowed: 0 <= warm-up < "
+            f"--train-iters ({args.train_iters})"
+        )
     for flag in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, flag) < 1.0:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be in [0, 1)")
