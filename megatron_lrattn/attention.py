@@ -36,8 +36,10 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None,
-                attention_bias: Optional[Tensor] = None, packed_seq_params=None) -> Tensor:
-        """Causal attention; ``attention_mask`` is ignored (the mask is causal)."""
+                attention_bias: Optional[Tensor] = None, packed_seq_params=None,
+                **unused) -> Tensor:
+        """Causal attention; ``attention_mask`` is ignored (the mask is causal). Extra
+        keyword arguments newer megatron-core versions pass are accepted and unused."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
         sq, b, np_, hn = query.shape

@@ -13,6 +13,12 @@ from megatron_lrattn.depth_state import DepthState, rms_normalize
 from megatron_lrattn.schedule import schedule_from_config
 
 
+def _normed(norm: nn.Module, x: Tensor) -> Tensor:
+    """Apply a PreNorm; newer megatron-core norms built for a residual return (out, residual)."""
+    out = norm(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
 class DepthQuery(nn.Module):
     """One static depth-read query q ([r]), zero-initialised and always kept in fp32.
 
@@ -45,8 +51,7 @@ class LRAttnResLayer(TransformerLayer):
     modules inside it and from parameter attributes.
     """
 
-    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
-                 pg_collection=None, vp_stage=None):
+    def __init__(self, config, submodules, *args, **kwargs):
         if not getattr(config, "uses_depth_attention", False):
             raise ValueError(
                 "LRAttnResLayer needs an LRAttnResConfig with residual attnres or lr_attnres; "
@@ -57,9 +62,7 @@ class LRAttnResLayer(TransformerLayer):
                 "recompute_granularity='full' is not supported with depth attention; "
                 "use 'selective'"
             )
-        super().__init__(config, submodules, layer_number=layer_number,
-                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
-                         vp_stage=vp_stage)
+        super().__init__(config, submodules, *args, **kwargs)
         if self.is_moe_layer:
             raise ValueError("MoE MLPs are not supported with depth attention yet")
         self.schedule = schedule_from_config(config)
@@ -111,7 +114,7 @@ class LRAttnResLayer(TransformerLayer):
         else:
             x = depth_state.read(input_query, self.config)
         attn = self.self_attention(
-            self.input_layernorm(x),
+            _normed(self.input_layernorm, x),
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             rotary_pos_cos=rotary_pos_cos,
@@ -122,6 +125,6 @@ class LRAttnResLayer(TransformerLayer):
         depth_state.add(*self._sublayer_output(attn), self.schedule.closes_block(attn_site + 1))
 
         x = depth_state.read(pre_mlp_query, self.config)
-        mlp = self.mlp(self.pre_mlp_layernorm(x))
+        mlp = self.mlp(_normed(self.pre_mlp_layernorm, x))
         depth_state.add(*self._sublayer_output(mlp), self.schedule.closes_block(attn_site + 2))
         return depth_state

@@ -4,6 +4,7 @@ SDPA core attention."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -26,6 +27,19 @@ class KeyEmittingRowParallelLinear(RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size + config.rank, config=config, **kwargs)
+
+
+def _replace_submodules(entry, **changes):
+    """Copy of a spec entry with some submodules replaced. megatron-core <= 0.17 describes
+    sub-modules as ``ModuleSpec``; newer versions also use ``functools.partial`` builders
+    carrying ``submodules=``."""
+    if isinstance(entry, ModuleSpec):
+        return dataclasses.replace(entry, submodules=dataclasses.replace(entry.submodules, **changes))
+    if isinstance(entry, functools.partial) and "submodules" in entry.keywords:
+        keywords = dict(entry.keywords)
+        keywords["submodules"] = dataclasses.replace(keywords["submodules"], **changes)
+        return functools.partial(entry.func, *entry.args, **keywords)
+    raise TypeError(f"cannot replace submodules of spec entry {entry!r}")
 
 
 def get_lr_attnres_layer_spec(
@@ -59,21 +73,16 @@ def get_lr_attnres_layer_spec(
     if core_attention == "auto":
         core_attention = "sdpa" if torch.cuda.is_available() else "local"
     sub = spec.submodules
-    attn_sub = sub.self_attention.submodules
-    mlp_sub = sub.mlp.submodules
+    attn_changes, mlp_changes = {}, {}
     if core_attention == "sdpa":
-        attn_sub = dataclasses.replace(attn_sub, core_attention=SDPACoreAttention)
-    if not config.uses_depth_attention:
-        self_attention = dataclasses.replace(sub.self_attention, submodules=attn_sub)
-        return dataclasses.replace(
-            spec, submodules=dataclasses.replace(sub, self_attention=self_attention)
-        )
+        attn_changes["core_attention"] = SDPACoreAttention
     if config.projected_keys:
-        attn_sub = dataclasses.replace(attn_sub, linear_proj=KeyEmittingRowParallelLinear)
-        mlp_sub = dataclasses.replace(mlp_sub, linear_fc2=KeyEmittingRowParallelLinear)
-    layer_sub = dataclasses.replace(
-        sub,
-        self_attention=dataclasses.replace(sub.self_attention, submodules=attn_sub),
-        mlp=dataclasses.replace(sub.mlp, submodules=mlp_sub),
-    )
-    return ModuleSpec(module=LRAttnResLayer, submodules=layer_sub)
+        attn_changes["linear_proj"] = KeyEmittingRowParallelLinear
+        mlp_changes["linear_fc2"] = KeyEmittingRowParallelLinear
+    layer_changes = {}
+    if attn_changes:
+        layer_changes["self_attention"] = _replace_submodules(sub.self_attention, **attn_changes)
+    if mlp_changes:
+        layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
+    module = LRAttnResLayer if config.uses_depth_attention else spec.module
+    return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
