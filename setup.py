@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.2"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "triton>=3.2,<3.7"],
     },
     entry_points={
         "console_scripts": [

@@ -93,9 +93,11 @@ def provenance() -> Dict[str, str]:
                              capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-        sha = (sha + ("-dirty" if dirty else "")) or "unknown"
+        sha = sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        sha = "unknown"
+        sha = ""
+    # A copy without .git (e.g. a GPU test machine) names its commit in GIT_SHA.
+    sha = sha if sha and sha != "-dirty" else os.environ.get("GIT_SHA", "unknown")
     try:
         from megatron.core import __version__ as mcore
     except ImportError:
