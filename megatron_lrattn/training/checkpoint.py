@@ -96,9 +96,11 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
 
 
 def _model_sharded_state_dict(models: List) -> Dict[str, Any]:
+    # Keys of the module inside DDP: DDP's sharded_state_dict adds a 'module.' prefix that
+    # its load_state_dict does not accept.
     if len(models) == 1:
-        return models[0].sharded_state_dict()
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+        return models[0].module.sharded_state_dict()
+    return {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(models)}
 
 
 def latest_checkpoint(load_dir: str) -> str:
