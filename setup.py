@@ -29,6 +29,7 @@ setup(
         "console_scripts": [
             "lrattn-pretrain=megatron_lrattn.cli.pretrain:main",
             "lrattn-preprocess=megatron_lrattn.cli.preprocess:main",
+            "lrattn-flops=megatron_lrattn.cli.flops:main",
         ],
     },
 )
