@@ -1,0 +1,111 @@
+"""Shared test helpers: a single-process gloo model-parallel setup and tiny model builders."""
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed.*")
+
+VOCAB = 128
+SEQ = 16
+BATCH = 2
+
+
+@contextmanager
+def model_parallel_1x1():
+    """CPU compat layer, a one-process gloo group and TP=PP=1 model-parallel groups.
+
+    Creates what does not exist yet and tears down only what it created.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_lrattn.compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    made_pg = made_mp = False
+    store = None
+    if not dist.is_initialized():
+        fd, store = tempfile.mkstemp(prefix="lrattn_gloo_")
+        os.close(fd)
+        os.unlink(store)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        made_pg = True
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+        made_mp = True
+    try:
+        yield
+    finally:
+        if made_mp:
+            parallel_state.destroy_model_parallel()
+        if made_pg:
+            dist.destroy_process_group()
+            if store and os.path.exists(store):
+                os.unlink(store)
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch's default generator and megatron's model-parallel RNG tracker."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def tiny_config(residual: str = "lr_attnres", *, num_layers: int = 2, hidden_size: int = 32,
+                ffn_hidden_size: int = 64, num_attention_heads: int = 4, bias: bool = False,
+                dropout: float = 0.0, **depth):
+    """A tiny fp32 SwiGLU/RMSNorm ``LRAttnResConfig`` (depth fields passed through)."""
+    from megatron_lrattn.config import LRAttnResConfig
+
+    return LRAttnResConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=bias,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        init_method_std=0.02,
+        use_cpu_initialization=True,
+        residual=residual,
+        **depth,
+    )
+
+
+def build_gpt(config, seed: int = 1234, *, spec=None, cls=None, vocab_size: int = VOCAB,
+              seq_length: int = SEQ):
+    """Seed, then build a model (``LRAttnResGPTModel`` with our spec by default)."""
+    from megatron_lrattn.model import LRAttnResGPTModel
+    from megatron_lrattn.spec import get_lr_attnres_layer_spec
+
+    cls = cls or LRAttnResGPTModel
+    spec = spec if spec is not None else get_lr_attnres_layer_spec(config, core_attention="local")
+    seed_all(seed)
+    return cls(
+        config,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def tiny_batch(seed: int = 0, vocab_size: int = VOCAB, seq_length: int = SEQ, batch: int = BATCH):
+    """(tokens, position_ids, labels), each [b, s]."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
+    labels = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
+    pos = torch.arange(seq_length).unsqueeze(0).expand(batch, -1)
+    return tokens, pos, labels

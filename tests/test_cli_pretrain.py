@@ -1,0 +1,156 @@
+"""``lrattn-pretrain`` end to end as a subprocess: one-line errors on bad input, a short real
+run with metrics and a checkpoint, resume, and refusal of a checkpoint with other settings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL = [
+    "--seq-length", "32", "--hidden-size", "64", "--num-layers", "2", "--num-blocks", "4",
+    "--ffn-hidden-size", "128", "--global-batch-size", "4", "--micro-batch-size", "2",
+    "--eval-interval", "3", "--eval-iters", "2", "--lr-warmup-iters", "1", "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lrattn_cache")
+
+
+def _env(cache_dir):
+    return dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore")
+
+
+def _start(args, cache_dir, cwd):
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_lrattn.cli.pretrain", *args, "--cache-dir",
+         str(cache_dir)],
+        cwd=cwd, env=_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _run(args, cache_dir, cwd):
+    return _finish(_start(args, cache_dir, cwd))
+
+
+def _assert_one_line_error(rc, out, err, *needles):
+    assert rc == 2, err[-3000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lrattn-pretrain: error: "), last
+    for needle in needles:
+        assert needle in last, last
+
+
+BAD_INPUTS = {
+    "missing-data-path": (["--data-path", "{tmp}/nowhere/corpus"],
+                          ["--data-path", "nowhere/corpus"]),
+    "unknown-preset": (["--preset", "no-such-preset"], ["--preset", "no-such-preset"]),
+    "rank-above-d": (["--hidden-size", "64", "--rank", "65"], ["--rank 65", "64"]),
+    "blocks-above-2L": (["--num-layers", "2", "--num-blocks", "5"], ["--num-blocks 5", "(4)"]),
+    "heads-do-not-divide-d": (["--hidden-size", "66", "--num-attention-heads", "4"],
+                              ["--hidden-size 66", "--num-attention-heads 4"]),
+}
+
+
+def test_bad_inputs_end_with_one_line_error_and_write_nothing(tmp_path, cache_dir):
+    procs = {}
+    for name, (args, _) in BAD_INPUTS.items():
+        out_dir = tmp_path / name / "out"
+        args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+        full = ["--train-iters", "2", "--lr-warmup-iters", "1", *args, "--save",
+                str(out_dir / "ckpt"), "--log-json", str(out_dir / "m.jsonl")]
+        (tmp_path / name).mkdir()
+        procs[name] = _start(full, cache_dir, tmp_path / name)
+    for name, proc in procs.items():
+        rc, out, err = _finish(proc)
+        _assert_one_line_error(rc, out, err, *BAD_INPUTS[name][1])
+        assert not (tmp_path / name / "out").exists(), name
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == [], name
+
+
+def _records(path: Path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    work = tmp_path_factory.mktemp("pretrain")
+    ckpt, log = work / "ckpt", work / "metrics.jsonl"
+    rc, out, err = _run([*SMALL, "--train-iters", "6", "--save", str(ckpt), "--log-json",
+                         str(log)], cache_dir, work)
+    assert rc == 0, err[-4000:]
+    assert "Traceback" not in out + err
+    return work, ckpt, log, out
+
+
+def test_short_run_writes_metrics_and_checkpoint(trained):
+    work, ckpt, log, out = trained
+    assert "final validation loss:" in out
+    recs = _records(log)
+    runs = [r for r in recs if r["type"] == "run"]
+    train = [r for r in recs if r["type"] == "train"]
+    valid = [r for r in recs if r["type"] == "valid"]
+    assert len(runs) == 1 and recs[0]["type"] == "run"
+    assert runs[0]["residual"] == "lr_attnres" and runs[0]["num_blocks"] == 4
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for r in train:
+        for field in ("loss", "grad_norm", "lr", "tokens_per_s"):
+            assert isinstance(r[field], float) and r[field] == r[field], (field, r)
+        assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0
+    assert [r["iteration"] for r in valid] == [0, 3, 6]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000006"
+    meta = json.loads((ckpt / "iter_0000006" / "lrattn.json").read_text())
+    assert meta["iteration"] == 6 and meta["consumed_samples"] == 24
+    assert meta["model_settings"]["residual"] == "lr_attnres"
+    assert not list(ckpt.glob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def resumed(trained, cache_dir):
+    work, ckpt, log, _ = trained
+    before = _records(log)
+    rc, out, err = _run([*SMALL, "--train-iters", "8", "--load", str(ckpt), "--save", str(ckpt),
+                         "--log-json", str(log)], cache_dir, work)
+    assert rc == 0, err[-4000:]
+    assert "Traceback" not in out + err
+    return before, _records(log)[len(before):]
+
+
+def test_resume_continues_from_the_checkpoint(trained, resumed):
+    _, ckpt, _, _ = trained
+    before, after = resumed
+    assert after[0]["type"] == "run"
+    train = [r for r in after if r["type"] == "train"]
+    assert [r["iteration"] for r in train] == [7, 8]
+    valid = [r for r in after if r["type"] == "valid"]
+    assert valid[0]["iteration"] == 6
+    # The restored model evaluates exactly as the saved one did.
+    saved_valid6 = [r for r in before if r["type"] == "valid" and r["iteration"] == 6][0]
+    assert valid[0]["loss"] == pytest.approx(saved_valid6["loss"], rel=1e-6)
+    assert (ckpt / "latest").read_text().strip() == "iter_0000008"
+
+
+def test_load_with_other_depth_settings_fails_with_one_line_error(trained, resumed, cache_dir):
+    work, ckpt, _, _ = trained
+    cases = {"residual": ["--residual", "attnres"], "num_blocks": ["--num-blocks", "2"]}
+    procs = {}
+    for field, extra in cases.items():
+        log = work / f"refused_{field}.jsonl"
+        procs[field] = (log, _start([*SMALL, *extra, "--train-iters", "10", "--load", str(ckpt),
+                                     "--log-json", str(log)], cache_dir, work))
+    for field, (log, proc) in procs.items():
+        rc, out, err = _finish(proc)
+        _assert_one_line_error(rc, out, err, field, "other model settings")
+        assert not log.exists()
+    assert (ckpt / "latest").read_text().strip() == "iter_0000008"
