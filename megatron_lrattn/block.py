@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from megatron_lrattn.depth_state import DepthState, rms_normalize
 from megatron_lrattn.layer import DepthQuery
-from megatron_lrattn.pipeline import pack_state, unpack_state
+from megatron_lrattn.pipeline import pack_state, packed_num_sources, unpack_state
 from megatron_lrattn.schedule import schedule_from_config
 
 
@@ -57,6 +57,21 @@ class LRAttnResBlock(TransformerBlock):
             self.embedding_key_proj.weight.sequence_parallel = sp
         first = self.layers[0].layer_number if len(self.layers) else None
         self._sublayers_before = 2 * (first - 1) if first is not None else None
+        self.packed_input: Optional[Tensor] = None
+
+    def set_input_tensor(self, input_tensor: Optional[Tensor]) -> None:
+        """Receive the packed depth state from the previous pipeline stage.
+
+        The packed tensor is kept in ``packed_input``; ``input_tensor`` becomes its first
+        source (a [s, b, w] view), because ``GPTModel`` sizes the rotary embedding from
+        ``decoder.input_tensor.size(0)``.
+        """
+        self.packed_input = input_tensor
+        if input_tensor is None or self._sublayers_before is None:
+            self.input_tensor = input_tensor
+            return
+        n_src = packed_num_sources(self.schedule, self._sublayers_before)
+        self.input_tensor = input_tensor[: input_tensor.shape[0] // n_src]
 
     def _query(self, site: int) -> Tensor:
         return self.depth_queries[str(site)].weight
@@ -68,7 +83,7 @@ class LRAttnResBlock(TransformerBlock):
                 key = rms_normalize(self.embedding_key_proj(hidden_states), self.config.key_norm_eps)
             return DepthState(embedding=hidden_states, embedding_key=key)
         return unpack_state(
-            self.input_tensor,
+            self.packed_input,
             self.schedule,
             self._sublayers_before,
             self.config.hidden_size,

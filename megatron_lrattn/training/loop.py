@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_lrattn.data.datasets import build_gpt_datasets, get_batch
 from megatron_lrattn.data.tokenizer import HFTokenizer
+from megatron_lrattn.pipeline import depth_tensor_shapes_fn
 from megatron_lrattn.training.arguments import ArgumentError
 from megatron_lrattn.training.builder import (
     build_config,
@@ -79,10 +80,6 @@ def _reduce_loss(losses: List[Dict]) -> float:
     return float(value[0])
 
 
-
-
-
-
 class MetricsWriter:
     """JSON-lines metrics file (rank 0 only); appends when resuming."""
 
@@ -109,6 +106,11 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if args.sequence_parallel:
+        raise ArgumentError(
+            "--sequence-parallel needs a sequence-parallel-aware norm, which the local spec "
+            "does not have yet (megatron-core's torch norm refuses it); run without it"
+        )
     rt = runtime or init_runtime(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seed)
     bf16 = args.bf16 if args.bf16 is not None else torch.cuda.is_available()
@@ -158,6 +160,10 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     dp_rank = ps.get_data_parallel_rank()
     step_kwargs = dict(num_microbatches=num_micro, seq_length=args.seq_length,
                        micro_batch_size=mbs, decoder_seq_length=args.seq_length)
+    shapes_fn = depth_tensor_shapes_fn(config)
+    if shapes_fn is not None:
+        # A stage boundary carries several depth sources: per-stage p2p shapes.
+        step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
     forward_step = partial(_forward_step, rt.device)
 
     def evaluate() -> float:

@@ -1,0 +1,203 @@
+"""Tensor and pipeline parallelism on CPU/gloo reproduce the single-process model.
+
+Every layout builds the model through the training builder, takes the weights of a
+TP1PP1 model built from the same seed (TP shards cut along each parameter's
+``partition_dim``/``partition_stride``, pipeline layers mapped to their global number),
+runs megatron-core's schedule (1F1B with per-stage shapes under PP) on the same
+micro-batches, and compares the per-micro-batch losses and the gradient of every parameter
+(depth queries included, after ``finalize_model_grads``) with TP1PP1. A second test runs
+``lrattn-pretrain`` under torchrun and compares its JSON-lines losses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+MODES = {
+    "standard": ["--residual", "standard"],
+    "attnres": ["--residual", "attnres", "--num-blocks", "3"],
+    "lr_sliced": ["--residual", "lr_attnres", "--key", "sliced", "--num-blocks", "3"],
+    "lr_projected": ["--residual", "lr_attnres", "--key", "projected", "--num-blocks", "3"],
+}
+# L = 4 splits 2 + 2 under PP = 2; with N = 3 blocks (ends 3, 6, 8) the boundary after
+# sub-layer 4 falls inside block 2, so the partial sum crosses it.
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+VOCAB, SEQ, MBS, NUM_MICRO, SEED = 256, 32, 2, 4, 1234
+LOSS_RTOL = 1e-6
+GRAD_RTOL = 1e-5  # relative RMS error of each gradient tensor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batches():
+    g = torch.Generator().manual_seed(SEED)
+    out = []
+    for _ in range(NUM_MICRO):
+        out.append({
+            "tokens": torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
+            "labels": torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
+            "position_ids": torch.arange(SEQ).expand(MBS, SEQ).contiguous(),
+            "loss_mask": torch.ones(MBS, SEQ),
+        })
+    return out
+
+
+def _forward_step(data_iterator, model):
+    from functools import partial
+
+    from megatron_lrattn.training.loop import _loss_func
+
+    b = next(data_iterator)
+    out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    return out, partial(_loss_func, b["loss_mask"])
+
+
+def _shard(full: torch.Tensor, like: torch.nn.Parameter, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's part of ``full`` for a parameter shaped like ``like``."""
+    if tuple(full.shape) == tuple(like.shape):
+        return full
+    dim, stride = like.partition_dim, getattr(like, "partition_stride", 1)
+    pieces = full.chunk(tp * stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp], dim=dim)
+
+
+def _global_name(name: str, model) -> str:
+    if name.startswith("decoder.layers."):
+        local = int(name.split(".")[2])
+        layer = model.decoder.layers[local]
+        rest = name.split(".", 3)[3]
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    return name
+
+
+def _run_layout(mode: str, tp: int, pp: int, ref):
+    """Build, (load ref weights), run one forward-backward; return weights, losses, grads."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_lrattn.pipeline import depth_tensor_shapes_fn
+    from megatron_lrattn.training.arguments import parse_args
+    from megatron_lrattn.training.builder import build_config, build_model, wrap_model
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    try:
+        torch.manual_seed(SEED)
+        model_parallel_cuda_manual_seed(SEED)
+        args = parse_args(BASE + MODES[mode] + ["--tensor-model-parallel-size", str(tp),
+                                               "--pipeline-model-parallel-size", str(pp)])
+        config = build_config(args, bf16=False)
+        model = build_model(config, args, VOCAB)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        names = {n: _global_name(n, model) for n, _ in model.named_parameters()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ref is not None:
+                    p.copy_(_shard(ref["weights"][names[n]], p, tp_rank, tp))
+        weights = {names[n]: p.detach().clone() for n, p in model.named_parameters()}
+        models = [wrap_model(model, config, False)]
+        config.no_sync_func = models[0].no_sync
+        kwargs = dict(num_microbatches=NUM_MICRO, seq_length=SEQ, micro_batch_size=MBS,
+                      decoder_seq_length=SEQ)
+        shapes_fn = depth_tensor_shapes_fn(config)
+        if shapes_fn is not None:
+            kwargs["adjust_tensor_shapes_fn"] = shapes_fn
+        models[0].zero_grad_buffer()
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(_batches()), model=models,
+            forward_only=False, **kwargs)
+        losses = [float(x["lm loss"]) for x in losses] if ps.is_pipeline_last_stage() else None
+        grads = {names[n]: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+        errors = {}
+        if ref is not None:
+            for n, p in model.named_parameters():
+                want = _shard(ref["grads"][names[n]], p, tp_rank, tp)
+                got = grads[names[n]]
+                errors[names[n]] = float((got - want).norm() / want.norm().clamp(min=1e-30))
+        return {"weights": weights, "grads": grads, "losses": losses, "errors": errors}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_lrattn.compat import apply_cpu_compat
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    apply_cpu_compat()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    report = {}
+    try:
+        for mode in MODES:
+            ref = _run_layout(mode, 1, 1, None)
+            for tp, pp in layouts:
+                res = _run_layout(mode, tp, pp, ref)
+                loss_err = None
+                if res["losses"] is not None:
+                    loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"]))
+                worst = max(res["errors"].items(), key=lambda kv: kv[1])
+                report[f"{mode}/tp{tp}pp{pp}"] = {
+                    "loss_rel_err": loss_err, "n_losses": len(res["losses"] or []),
+                    "grad_rel_rms_max": worst[1], "worst_param": worst[0],
+                    "n_params": len(res["errors"]),
+                    "has_queries": any("depth_queries" in n for n in res["errors"]),
+                }
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def _spawn(world: int, layouts, tmp_path) -> dict:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(world, _free_port(), layouts, str(tmp_path)), nprocs=world)
+    return {r: json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def _check(reports: dict, layouts) -> None:
+    for mode in MODES:
+        for tp, pp in layouts:
+            key = f"{mode}/tp{tp}pp{pp}"
+            rows = [rep[key] for rep in reports.values()]
+            loss_rows = [r for r in rows if r["loss_rel_err"] is not None]
+            assert loss_rows and all(r["n_losses"] == NUM_MICRO for r in loss_rows), key
+            for r in loss_rows:
+                assert r["loss_rel_err"] <= LOSS_RTOL, (key, r)
+            for r in rows:
+                assert r["grad_rel_rms_max"] <= GRAD_RTOL, (key, r)
+            if mode != "standard":
+                assert any(r["has_queries"] for r in rows), key
+
+
+def test_tp2_and_pp2_match_tp1pp1(tmp_path):
+    """TP=2 and PP=2 (stage boundary inside a depth block): per-micro-batch losses and
+    every gradient equal TP1PP1 from the same weights, for all residual modes."""
+    layouts = [(2, 1), (1, 2)]
+    reports = _spawn(2, layouts, tmp_path)
+    print(json.dumps(reports, indent=1))
+    _check(reports, layouts)
+
+
+def test_tp2xpp2_matches_tp1pp1(tmp_path):
+    """TP=2 x PP=2 on four processes."""
+    layouts = [(2, 2)]
+    reports = _spawn(4, layouts, tmp_path)
+    _check(reports, layouts)
