@@ -229,6 +229,27 @@ def sweep(T, copy_tbps):
         kdr.TUNE.clear()
 
 
+def prefetch_ab(T, copy_tbps):
+    """The same kernels with and without loading the next source ahead, side by side."""
+    for d in (2048, 4096):
+        for r in (d // 4, d):
+            S = 9
+            vals, query, _, grad = make(T, d, r, S, False, seed=2)
+            fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
+            for pf in (0, 1, 0, 1):
+                kdr.TUNE.clear()
+                kdr.TUNE.update(prefetch=pf)
+                fn = kdr.depth_read_triton
+                with torch.no_grad():
+                    tf = bench(lambda: fn(vals, query), rep=100)
+                tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
+                print(f"prefetch={pf} d={d} r={r} S={S}: fwd {tf:.3f} ms "
+                      f"{100 * fwd_bytes / tf / 1e9 / copy_tbps:.1f}% | fwd+bwd {tb:.3f} ms "
+                      f"{100 * fb_bytes / tb / 1e9 / copy_tbps:.1f}%", flush=True)
+            kdr.TUNE.clear()
+            del vals, grad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -238,6 +259,8 @@ def main():
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "depth_read.csv"))
     ap.add_argument("--sweep", action="store_true", help="sweep kernel tiles first")
+    ap.add_argument("--prefetch-ab", action="store_true",
+                    help="time the kernels with and without next-source prefetch first")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run of the harness logic under TRITON_INTERPRET=1 (no real timings)")
     args = ap.parse_args()
@@ -254,6 +277,8 @@ def main():
     print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
     if args.sweep:
         sweep(T, copy_tbps)
+    if args.prefetch_ab:
+        prefetch_ab(T, copy_tbps)
     pairs = [(d, S) for S in args.sources for d in args.widths]
     pairs += [tuple(int(x) for x in p.split(":")) for p in args.extra.split(",") if p]
     rows = []

@@ -38,18 +38,24 @@ POISON = os.environ.get("LRATTN_KERNELS_POISON", "0") == "1"
 SAVE_OUTPUT = os.environ.get("LRATTN_DEPTH_READ_SAVE_OUTPUT", "1") == "1"
 
 # Tile overrides for the benchmark's sweep: {"tile": elements per program, "warps": n,
-# "ctas_per_sm": persistent backward programs per SM}.
+# "ctas_per_sm": persistent backward programs per SM, "prefetch": 0 to load each source
+# only when it is used}.
 TUNE: Dict[str, int] = {}
 
 
 @triton.jit
-def _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols, rcols, rmask,
-            qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
-    # v: [BT, BD] fp32 source rows; kf: [BT, BR] projected key (v itself when sliced)
+def _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols):
+    # v: [BT, BD] rows of source i in fp32 (masked-off rows/columns read nothing)
     v_ptr = tl.load(v_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
     v_stride = tl.load(vs_tab + i)
     v = tl.load(v_ptr + rows64[:, None] * v_stride + cols[None, :], mask=m2, other=0.0)
-    v = v.to(tl.float32)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, keycol, r, eps, scale,
+           PROJECTED: tl.constexpr):
+    # kf: [BT, BR] projected key (v itself when sliced), logit s and inverse RMS rstd [BT]
     if PROJECTED:
         kf, s, rstd = _key(i, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, r, eps, scale)
     else:
@@ -57,6 +63,16 @@ def _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols, rcols
         ss = tl.sum(tl.where(keycol[None, :], v * v, 0.0), axis=1)
         rstd = 1.0 / tl.sqrt(ss / r + eps)
         s = scale * tl.sum(v * qk[None, :], axis=1) * rstd
+    return kf, s, rstd
+
+
+@triton.jit
+def _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols, rcols, rmask,
+            qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
+    # v: [BT, BD] fp32 source rows; kf: [BT, BR] projected key (v itself when sliced)
+    v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+    kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, keycol, r, eps,
+                         scale, PROJECTED)
     return v, kf, s, rstd
 
 
@@ -88,7 +104,7 @@ def _query(q_ptr, cols, rcols, d, r, PROJECTED: tl.constexpr):
 def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_ptr,
                 T, S, d, r, eps, scale,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                BR: tl.constexpr):
+                BR: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -100,9 +116,18 @@ def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_pt
     m = tl.full([BT], float("-inf"), tl.float32)
     l = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
+    # PREFETCH: the next source's load is issued before this one's reductions, so one
+    # load is always in flight while the logit and the online-softmax update run
+    v_next = _load_value(0, v_tab, vs_tab, vref, rows64, m2, cols)
     for i in range(S):
-        v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2,
-                                 cols, rcols, rmask, qk, keycol, r, eps, scale, PROJECTED)
+        v = v_next
+        if PREFETCH:
+            v_next = _load_value(tl.minimum(i + 1, S - 1), v_tab, vs_tab, vref, rows64,
+                                 m2 & (i + 1 < S), cols)
+        else:
+            v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+        kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, keycol, r,
+                             eps, scale, PROJECTED)
         m_new = tl.maximum(m, s)
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
@@ -120,7 +145,7 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                 q_ptr, lse_ptr, g_ptr, g_stride, o_ptr, da_ptr, gq_part_ptr,
                 T, S, d, r, eps, scale, n_blocks,
                 PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr, BR: tl.constexpr):
+                BD: tl.constexpr, BR: tl.constexpr, PREFETCH: tl.constexpr):
     # persistent: program p owns token blocks p, p + P, ...; one grad_q partial per program
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -179,10 +204,16 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
             # the loop with the exact delta (dex) and ck = sum_i a_i khat_i
             dex = tl.zeros([BT], tl.float32)
             ck = tl.zeros_like(qk[None, :] * delta[:, None])
+            v_next = _load_value(0, v_tab, vs_tab, vref, rows64, m2, cols)
             for i in range(S):
-                v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
-                                         m2, cols, rcols, rmask, qk, keycol, r, eps, scale,
-                                         PROJECTED)
+                v = v_next
+                if PREFETCH:
+                    v_next = _load_value(tl.minimum(i + 1, S - 1), v_tab, vs_tab, vref,
+                                         rows64, m2 & (i + 1 < S), cols)
+                else:
+                    v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+                kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk,
+                                     keycol, r, eps, scale, PROJECTED)
                 a = tl.exp(s - lse)
                 da = tl.sum(g * v, axis=1)
                 ds = a * (da - delta)
@@ -207,6 +238,10 @@ def _alloc(shape, dtype, device) -> Tensor:
     if POISON:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _prefetch() -> bool:
+    return bool(TUNE.get("prefetch", 1))
 
 
 def _interpreting() -> bool:
@@ -280,7 +315,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
         T, len(vs), d, r, eps, scale,
-        PROJECTED=projected, BT=bt, BD=bd, BR=br, num_warps=warps)
+        PROJECTED=projected, BT=bt, BD=bd, BR=br, PREFETCH=_prefetch(), num_warps=warps)
     return out, lse
 
 
@@ -314,7 +349,8 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vs[0], kref,
         query, lse, g, g.stride(0), out if has_out else g, da, parts,
         T, len(vs), d, r, eps, scale, n_blocks,
-        PROJECTED=projected, HAS_OUT=has_out, BT=bt, BD=bd, BR=br, num_warps=warps)
+        PROJECTED=projected, HAS_OUT=has_out, BT=bt, BD=bd, BR=br, PREFETCH=_prefetch(),
+        num_warps=warps)
     return parts.sum(0), dvs, dks
 
 

@@ -156,6 +156,18 @@ def test_backward_is_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("projected", [False, True])
+def test_prefetch_does_not_change_results(projected, monkeypatch):
+    values, query, keys, grad = make_inputs(9, 48, 12, 4, torch.bfloat16, projected)
+    monkeypatch.setitem(kdr.TUNE, "prefetch", 1)
+    out_a, grads_a = grads_of(kdr.depth_read_triton, values, query, keys, grad)
+    monkeypatch.setitem(kdr.TUNE, "prefetch", 0)
+    out_b, grads_b = grads_of(kdr.depth_read_triton, values, query, keys, grad)
+    assert torch.equal(out_a, out_b)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.equal(a, b)
+
+
 def test_dispatch_through_the_public_op():
     values, query, _, _ = make_inputs(5, 32, 8, 3, torch.float32, False)
     a = depth_read(values, query, backend="triton")
