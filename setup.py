@@ -23,6 +23,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.2"],
+        "plots": ["matplotlib>=3.7"],
         "test": ["pytest", "hypothesis", "triton>=3.2,<3.7"],
     },
     entry_points={
@@ -30,6 +31,7 @@ setup(
             "lrattn-pretrain=megatron_lrattn.cli.pretrain:main",
             "lrattn-preprocess=megatron_lrattn.cli.preprocess:main",
             "lrattn-flops=megatron_lrattn.cli.flops:main",
+            "lrattn-analyze=megatron_lrattn.cli.analyze:main",
         ],
     },
 )
