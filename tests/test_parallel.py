@@ -201,3 +201,78 @@ def test_tp2xpp2_matches_tp1pp1(tmp_path):
     layouts = [(2, 2)]
     reports = _spawn(4, layouts, tmp_path)
     _check(reports, layouts)
+
+
+@pytest.mark.parametrize("key,width", [("sliced", 64), ("projected", 80)])
+def test_stage_shapes_follow_the_depth_schedule(key, width):
+    """L=4, N=3 (block ends 3, 6, 8), PP=2: the boundary after sub-layer 4 carries v0, B1
+    and the partial P[4:4], i.e. 3 sources of s rows; projected keys widen it by r."""
+    from megatron_lrattn.config import LRAttnResConfig
+    from megatron_lrattn.pipeline import depth_tensor_shapes_fn, stage_sublayers
+
+    config = LRAttnResConfig(num_layers=4, hidden_size=64, num_attention_heads=4,
+                             pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                             residual="lr_attnres", key=key, num_blocks=3)
+    assert [stage_sublayers(config, r) for r in (0, 1)] == [(0, 4), (4, 8)]
+    default = [(SEQ, MBS, 64)]
+    recv0, send0 = depth_tensor_shapes_fn(config, 0)(default, default)
+    recv1, _ = depth_tensor_shapes_fn(config, 1)(default, default)
+    assert recv0 == [(SEQ, MBS, width)]
+    assert send0 == recv1 == [(3 * SEQ, MBS, width)]
+    single = LRAttnResConfig(num_layers=4, hidden_size=64, num_attention_heads=4)
+    assert depth_tensor_shapes_fn(single, 0) is None
+
+
+CLI = BASE[:-4] + [
+    "--global-batch-size", "4", "--num-blocks", "3", "--residual", "lr_attnres",
+    "--key", "projected", "--train-iters", "4", "--eval-interval", "4", "--eval-iters", "1",
+    "--lr-warmup-iters", "1", "--no-progress",
+]
+
+
+def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> list:
+    launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                    str(nproc), "--master-port", str(_free_port()), "-m",
+                    "megatron_lrattn.cli.pretrain"]
+    env = dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore",
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(launcher + CLI + extra + ["--cache-dir", str(cache_dir),
+                                                    "--log-json", str(log)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    return [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    """The default-data cache: ``$LRATTN_CACHE`` when set (shared across runs), else one
+    folder for this module."""
+    env = os.environ.get("LRATTN_CACHE")
+    return Path(env) if env else tmp_path_factory.mktemp("lrattn_cache")
+
+
+def test_pretrain_cli_tp2_and_pp2_match_one_process(tmp_path, data_cache):
+    """``lrattn-pretrain`` under torchrun: TP=2 from scratch follows the 1-process losses
+    (CPU initialisation is layout-independent under TP); PP=2 resumes the 1-process
+    checkpoint of iteration 2 (megatron seeds each pipeline stage differently, so a fresh
+    PP run starts from other weights) and follows its iterations 3 and 4."""
+    cache = data_cache
+    ckpt = tmp_path / "ckpt"
+    ref = _pretrain(1, ["--save", str(ckpt), "--save-interval", "2"], tmp_path / "ref.jsonl",
+                    cache)
+    assert [i for i, _ in ref] == [1, 2, 3, 4]
+    tp2 = _pretrain(2, ["--tensor-model-parallel-size", "2"], tmp_path / "tp2.jsonl", cache)
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / "iter_0000002").symlink_to(ckpt / "iter_0000002")
+    (resume / "latest").write_text("iter_0000002\n")
+    pp2 = _pretrain(2, ["--pipeline-model-parallel-size", "2", "--load", str(resume)],
+                    tmp_path / "pp2.jsonl", cache)
+    assert [i for i, _ in tp2] == [1, 2, 3, 4] and [i for i, _ in pp2] == [3, 4]
+    for (_, a), (_, b) in zip(tp2, ref):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (tp2, ref)
+    for (_, a), (_, b) in zip(pp2, ref[2:]):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (pp2, ref)
