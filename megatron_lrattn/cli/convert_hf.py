@@ -1,0 +1,46 @@
+"""``lrattn-convert-hf``: a Megatron checkpoint (any TP/PP layout) -> a Hugging Face folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from megatron_lrattn.cli.common import run_cli, setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line arguments."""
+    p = argparse.ArgumentParser(
+        prog="lrattn-convert-hf",
+        description="Convert an lrattn-pretrain checkpoint to a Hugging Face folder that "
+                    "loads with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).")
+    p.add_argument("checkpoint", help="--save folder (its 'latest' is used) or an iter_N folder")
+    p.add_argument("output", help="Hugging Face folder to write")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the process exit code."""
+    from megatron_lrattn.config import ConfigError
+    from megatron_lrattn.data.errors import DataError
+    from megatron_lrattn.hf.convert import ConversionError
+    from megatron_lrattn.training.checkpoint import CheckpointError
+
+    args = build_parser().parse_args(argv)
+
+    def _main() -> int:
+        setup_logging()
+        from megatron_lrattn.hf.export import megatron_checkpoint_to_hf
+
+        out = megatron_checkpoint_to_hf(args.checkpoint, args.output, args.max_shard_size)
+        print(f"wrote {out}")
+        return 0
+
+    return run_cli("lrattn-convert-hf", _main,
+                   (CheckpointError, ConversionError, ConfigError, DataError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Whole-folder conversions: Megatron checkpoint -> HF folder and back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, Tuple
+
+import torch
+
+from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
+from megatron_lrattn.hf.convert import ConversionError, hf_to_megatron, megatron_to_hf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CODE_FILES = ("configuration_lrattn.py", "modeling_lrattn.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_lrattn.LRAttnConfig",
+    "AutoModel": "modeling_lrattn.LRAttnModel",
+    "AutoModelForCausalLM": "modeling_lrattn.LRAttnForCausalLM",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja")
+
+
+def copy_tokenizer(src: str, dst: str) -> None:
+    """Copy the tokenizer files of a Hugging Face tokenizer folder."""
+    copied = 0
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+            copied += 1
+    if not copied:
+        raise ConversionError(f"{src}: no tokenizer files found")
+
+
+def save_hf(hf_sd: Dict[str, torch.Tensor], config: LRAttnConfig, out_dir: str,
+            tokenizer: str, max_shard_size="5GB") -> str:
+    """Write an HF folder: config.json (with auto_map), safetensors, tokenizer, code."""
+    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
+
+    config.auto_map = dict(AUTO_MAP)
+    config.architectures = ["LRAttnForCausalLM"]
+    with torch.device("meta"):
+        model = LRAttnForCausalLM(config)
+    model.load_state_dict(hf_sd, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ConversionError(f"parameters without weights after conversion: {left[:5]}")
+    model.config.dtype = model.model.embed_tokens.weight.dtype
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    for name in CODE_FILES:
+        shutil.copy2(os.path.join(HERE, name), os.path.join(out_dir, name))
+    copy_tokenizer(tokenizer, out_dir)
+    return out_dir
+
+
+def megatron_checkpoint_to_hf(checkpoint: str, out_dir: str, max_shard_size="5GB") -> str:
+    """Convert the newest checkpoint under ``checkpoint`` (any TP/PP layout) to an HF folder.
+
+    Raises:
+        CheckpointError, ConversionError: one-line messages naming the problem.
+    """
+    from megatron_lrattn.data.tokenizer import HFTokenizer
+    from megatron_lrattn.hf.megatron_io import (
+        hf_config_from_meta,
+        load_megatron,
+        resolve_checkpoint,
+        single_process_model_parallel,
+        tokenizer_dir,
+    )
+    from megatron_lrattn.training.checkpoint import read_meta
+
+    path = resolve_checkpoint(checkpoint)
+    meta = read_meta(path)
+    tok_dir = tokenizer_dir(meta.get("args") or {})
+    tok = HFTokenizer(tok_dir)
+    config = hf_config_from_meta(meta, tok.vocab_size, tok.eod)
+    with single_process_model_parallel():
+        sd, _, _ = load_megatron(path)
+    hf_sd = megatron_to_hf(sd, config)
+    return save_hf(hf_sd, config, out_dir, tok_dir, max_shard_size)
+
+
+def read_hf_folder(path: str) -> Tuple[LRAttnConfig, Dict[str, torch.Tensor]]:
+    """Config and state dict of an exported folder (single or sharded safetensors).
+
+    Raises:
+        ConversionError: missing or unreadable files.
+    """
+    from safetensors.torch import load_file
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ConversionError(f"{path}: config.json not found")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{cfg_file}: unreadable ({e})") from None
+    if raw.get("model_type") != LRAttnConfig.model_type:
+        raise ConversionError(f"{cfg_file}: model_type {raw.get('model_type')!r}, expected "
+                              f"{LRAttnConfig.model_type!r}")
+    try:
+        config = LRAttnConfig.from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise ConversionError(f"{cfg_file}: {str(e).splitlines()[0]}") from None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    sd: Dict[str, torch.Tensor] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ConversionError(f"{file}: not found")
+        try:
+            sd.update(load_file(file))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ConversionError(f"{file}: unreadable safetensors ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return config, sd
+
+
+def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> str:
+    """Convert an exported HF folder to a Megatron checkpoint for a TP x PP layout.
+
+    The checkpoint holds the model weights (loadable into any layout by
+    ``dist_checkpointing``; vocabulary padded for ``tp``) and copies the tokenizer into
+    ``out_dir/tokenizer``.
+
+    Raises:
+        ConversionError: bad folder, key or shape mismatch, layout that does not divide.
+    """
+    from megatron_lrattn.hf.megatron_io import (
+        megatron_args_from_hf,
+        save_megatron,
+        single_process_model_parallel,
+    )
+    from megatron_lrattn.training.builder import padded_vocab_size
+
+    config, hf_sd = read_hf_folder(hf_dir)
+    msd = hf_to_megatron(hf_sd, config, padded_vocab_size(config.vocab_size, tp))
+    tok_dir = os.path.join(os.path.abspath(out_dir), "tokenizer")
+    os.makedirs(tok_dir, exist_ok=True)
+    copy_tokenizer(hf_dir, tok_dir)
+    try:
+        args = megatron_args_from_hf(config, tp, pp, tok_dir)
+    except ValueError as e:
+        raise ConversionError(f"{hf_dir}: {e}") from None
+    bf16 = msd["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    with single_process_model_parallel():
+        return save_megatron(msd, out_dir, args, bf16, os.path.abspath(hf_dir))
