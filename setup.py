@@ -31,6 +31,8 @@ setup(
             "lrattn-pretrain=megatron_lrattn.cli.pretrain:main",
             "lrattn-preprocess=megatron_lrattn.cli.preprocess:main",
             "lrattn-flops=megatron_lrattn.cli.flops:main",
+            "lrattn-convert-hf=megatron_lrattn.cli.convert_hf:main",
+            "lrattn-convert-megatron=megatron_lrattn.cli.convert_megatron:main",
             "lrattn-analyze=megatron_lrattn.cli.analyze:main",
         ],
     },
