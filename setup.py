@@ -25,6 +25,7 @@ setup(
         "triton": ["triton>=3.2"],
         "plots": ["matplotlib>=3.7"],
         "test": ["pytest", "hypothesis", "triton>=3.2,<3.7"],
+        "plots": ["matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": [
@@ -33,6 +34,7 @@ setup(
             "lrattn-flops=megatron_lrattn.cli.flops:main",
             "lrattn-convert-hf=megatron_lrattn.cli.convert_hf:main",
             "lrattn-convert-megatron=megatron_lrattn.cli.convert_megatron:main",
+            "lrattn-profile=megatron_lrattn.cli.profile:main",
             "lrattn-analyze=megatron_lrattn.cli.analyze:main",
         ],
     },

@@ -71,13 +71,18 @@ class DepthState:
         return values, keys
 
     def read(self, query: Tensor, config) -> Tensor:
-        """Depth read of the current sources with ``query`` ([r], fp32)."""
+        """Depth read of the current sources with ``query`` ([r], fp32).
+
+        Runs inside ``torch.profiler.record_function("depth_read")`` so that profiles
+        (``lrattn-profile``) can attribute the forward of every read site.
+        """
         values, keys = self.sources()
-        return depth_read(
-            values,
-            query,
-            keys,
-            eps=config.key_norm_eps,
-            scale=config.depth_scale,
-            backend=config.depth_backend,
-        )
+        with torch.profiler.record_function("depth_read"):
+            return depth_read(
+                values,
+                query,
+                keys,
+                eps=config.key_norm_eps,
+                scale=config.depth_scale,
+                backend=config.depth_backend,
+            )

@@ -1,0 +1,1 @@
+"""Throughput profiling of the residual modes side by side (``lrattn-profile``)."""

@@ -1,0 +1,319 @@
+"""Build the arms, run them alternating, and measure step time, memory and the depth-read
+share of a step.
+
+Every arm is a full training setup (model in megatron DDP, megatron optimizer, LR schedule)
+built from the same arguments; steps are ``get_forward_backward_func`` + ``optimizer.step``
+on synthetic token batches (throughput does not depend on the token values).
+
+Memory
+------
+With all arms alive at once (the default, needed to alternate them), the process holds
+every arm's parameters, gradient buffers and optimizer states, so ``max_memory_allocated``
+during one arm's step also counts the others. Each arm's ``resident`` bytes are measured
+when it is built (memory allocated after the build and one training step, which creates
+the optimizer states, minus before); ``peak_memory_bytes`` is ``resident`` plus the
+largest growth above the allocation at the start of one of its steps, i.e. the peak the arm
+would have alone in a process. ``process_peak_memory_bytes`` is the raw maximum. On a
+1B model each arm holds about 16 bytes per parameter (bf16 weights, fp32 gradient buffer,
+fp32 main weights, two fp32 Adam moments), so four arms fit on one H200; for larger
+models ``sequential=True`` builds, runs and frees one arm at a time (no alternation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrattn.profiling.arms import Arm, arm_args
+from megatron_lrattn.training.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+DEPTH_READ_RANGE = "depth_read"
+"""The ``record_function`` name around every depth read (``DepthState.read``)."""
+
+_BACKWARD_NODES = ("_DepthReadBackward", "_DepthReadTritonBackward")
+
+
+@dataclass
+class ArmRun:
+    """One arm's training setup and what was measured on this rank.
+
+    Attributes:
+        arm: the arm.
+        models: the DDP-wrapped model chunk(s).
+        optimizer, scheduler: megatron optimizer and LR schedule.
+        step_kwargs: keyword arguments of the forward-backward function.
+        num_params: parameters of this rank's chunk.
+        resident_bytes: memory the arm keeps between steps (module docstring).
+        step_times_s: wall time of every timed step.
+        step_peak_bytes: largest growth of allocated memory during one timed step.
+        process_peak_bytes: largest ``max_memory_allocated`` seen during a timed step.
+        depth_read_s, profiled_step_s: depth-read time in the profiled step and its wall time.
+    """
+
+    arm: Arm
+    models: list
+    optimizer: object
+    scheduler: object
+    step_kwargs: Dict
+    num_params: int
+    resident_bytes: int = 0
+    step_times_s: List[float] = field(default_factory=list)
+    step_peak_bytes: int = 0
+    process_peak_bytes: int = 0
+    depth_read_s: Optional[float] = None
+    profiled_step_s: Optional[float] = None
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _sync() -> None:
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if _cuda() else 0
+
+
+def synthetic_batch(mbs: int, seq: int, vocab: int, device: torch.device, seed: int) -> Dict:
+    """One micro-batch of random tokens: ``tokens``, ``labels`` (tokens shifted by one),
+    ``loss_mask`` (ones) and ``position_ids``, all on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
+    return {
+        "tokens": data[:, :-1].contiguous().to(device),
+        "labels": data[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(mbs, seq, device=device),
+        "position_ids": torch.arange(seq, device=device).expand(mbs, seq).contiguous(),
+    }
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    mask = loss_mask.view(-1).float()
+    loss = (output_tensor.float().view(-1) * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    b = next(data_iterator)
+    output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    return output, partial(_loss_func, b["loss_mask"])
+
+
+def build_arm(arm: Arm, args: argparse.Namespace, vocab_size: int, num_micro: int) -> ArmRun:
+    """Config, model, DDP wrapper, optimizer and LR schedule of one arm (this rank's chunk).
+
+    Raises:
+        ConfigError: when the arm's configuration is refused.
+    """
+    from megatron_lrattn.pipeline import depth_tensor_shapes_fn
+    from megatron_lrattn.training.builder import (
+        build_config, build_model, build_optimizer, wrap_model,
+    )
+
+    a = arm_args(args, arm)
+    bf16 = args.bf16 if args.bf16 is not None else _cuda()
+    config = build_config(a, bf16)
+    model = build_model(config, a, vocab_size)
+    num_params = sum(p.numel() for p in model.parameters())
+    models = [wrap_model(model, config, a.use_distributed_optimizer)]
+    config.no_sync_func = models[0].no_sync
+    optimizer, scheduler = build_optimizer(models, config, a)
+    step_kwargs = dict(num_microbatches=num_micro, seq_length=a.seq_length,
+                       micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length)
+    shapes_fn = depth_tensor_shapes_fn(config)
+    if shapes_fn is not None:
+        step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
+    return ArmRun(arm, models, optimizer, scheduler, step_kwargs, num_params)
+
+
+def train_step(run: ArmRun, batches) -> None:
+    """One training step: forward + backward over every micro-batch, optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for m in run.models:
+        m.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=batches,
+                                model=run.models, forward_only=False, **run.step_kwargs)
+    run.optimizer.step()
+    run.scheduler.step(increment=1)
+
+
+def timed_step(run: ArmRun, batches) -> None:
+    """``train_step`` between device synchronisations; records time and memory growth."""
+    if _cuda():
+        torch.cuda.reset_peak_memory_stats()
+    _sync()
+    base = _allocated()
+    t0 = time.perf_counter()
+    train_step(run, batches)
+    _sync()
+    run.step_times_s.append(time.perf_counter() - t0)
+    if _cuda():
+        peak = torch.cuda.max_memory_allocated()
+        run.step_peak_bytes = max(run.step_peak_bytes, peak - base)
+        run.process_peak_bytes = max(run.process_peak_bytes, peak)
+
+
+def depth_read_kernel_names() -> List[str]:
+    """Names of the fused depth-read GPU kernels (the Triton ``@jit`` functions of
+    ``lrattn_kernels.depth_read`` whose names end in ``kernel``); empty without Triton."""
+    try:
+        import triton
+        from lrattn_kernels import depth_read as k
+    except ImportError:
+        return []
+    jitted = (getattr(v, "fn", None) for v in vars(k).values()
+              if isinstance(v, triton.runtime.jit.KernelInterface))
+    return sorted(f.__name__ for f in jitted if f is not None and f.__name__.endswith("kernel"))
+
+
+def _device_time_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def depth_read_time_s(prof, on_cuda: bool) -> float:
+    """Depth-read time in a finished ``torch.profiler.profile``.
+
+    On CUDA: the device time of the kernels named exactly as in ``depth_read_kernel_names``
+    (exact names: SDPA's ``flash_fwd_kernel`` contains ``_fwd_kernel``). On CPU: the total
+    (self + children) time of the ``depth_read`` ranges (forward) plus that of the autograd
+    nodes of the depth-read functions (backward).
+    """
+    rows = prof.key_averages()
+    if on_cuda:
+        names = set(depth_read_kernel_names())
+        return sum(_device_time_us(e) for e in rows if e.key.split("(")[0] in names) * 1e-6
+    total = 0.0
+    for e in rows:
+        key = e.key
+        if key == DEPTH_READ_RANGE or (key.startswith("autograd::engine::evaluate_function: ")
+                                       and key.endswith(_BACKWARD_NODES)):
+            total += e.cpu_time_total
+    return total * 1e-6
+
+
+def profiled_step(run: ArmRun, batches) -> None:
+    """One step under ``torch.profiler``; records the depth-read time and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+    _sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        train_step(run, batches)
+        _sync()
+        wall = time.perf_counter() - t0
+    run.depth_read_s = depth_read_time_s(prof, _cuda())
+    run.profiled_step_s = wall
+
+
+def _build_warm(arm: Arm, args, vocab_size: int, num_micro: int, batches) -> ArmRun:
+    _sync()
+    before = _allocated()
+    run = build_arm(arm, args, vocab_size, num_micro)
+    train_step(run, batches)
+    _sync()
+    run.resident_bytes = _allocated() - before
+    logger.info("built %s: %d parameters on this rank, %.2f GB resident", arm.label,
+                run.num_params, run.resident_bytes / 1e9)
+    return run
+
+
+def _free(run: ArmRun) -> None:
+    run.models.clear()
+    run.optimizer = run.scheduler = None
+    gc.collect()
+    if _cuda():
+        torch.cuda.empty_cache()
+
+
+def run_arms(arms: List[Arm], args: argparse.Namespace, rt: Runtime, vocab_size: int,
+             num_micro: int, rounds: int, steps_per_round: int, warmup_steps: int,
+             sequential: bool = False, profile: bool = True) -> List[ArmRun]:
+    """Build every arm and time it.
+
+    Alternating (default): build all arms (each warmed by one step), then ``warmup_steps``
+    more untimed steps per arm, then ``rounds`` rounds of A B C ... with
+    ``steps_per_round`` timed steps each, then one profiled step per arm. Sequential: the
+    same per arm, one arm built, run and freed at a time.
+
+    Returns:
+        One ``ArmRun`` per arm, with times and memory reduced over ranks (the slowest rank's
+        step time, the largest memory, the mean depth-read share).
+    """
+    batch = synthetic_batch(args.micro_batch_size, args.seq_length, vocab_size, rt.device,
+                            args.seed)
+    batches = itertools.repeat(batch)
+
+    def finish(run: ArmRun) -> None:
+        if profile:
+            profiled_step(run, batches)
+
+    runs: List[ArmRun] = []
+    if sequential:
+        for arm in arms:
+            run = _build_warm(arm, args, vocab_size, num_micro, batches)
+            for _ in range(warmup_steps):
+                train_step(run, batches)
+            for _ in range(rounds * steps_per_round):
+                timed_step(run, batches)
+            finish(run)
+            _free(run)
+            runs.append(run)
+    else:
+        runs = [_build_warm(arm, args, vocab_size, num_micro, batches) for arm in arms]
+        for run in runs:
+            for _ in range(warmup_steps):
+                train_step(run, batches)
+        for r in range(rounds):
+            for run in runs:
+                for _ in range(steps_per_round):
+                    timed_step(run, batches)
+            logger.info("round %d/%d: %s", r + 1, rounds, ", ".join(
+                f"{run.arm.name} {statistics.median(run.step_times_s) * 1e3:.1f} ms"
+                for run in runs))
+        for run in runs:
+            finish(run)
+    _reduce_over_ranks(runs, rt)
+    return runs
+
+
+def _reduce_over_ranks(runs: List[ArmRun], rt: Runtime) -> None:
+    if rt.world_size == 1:
+        return
+    for run in runs:
+        t = torch.tensor(run.step_times_s + [run.profiled_step_s or 0.0], dtype=torch.float64,
+                         device=rt.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        run.step_times_s = t[:-1].tolist()
+        mem = torch.tensor([run.resident_bytes + run.step_peak_bytes, run.process_peak_bytes,
+                            run.resident_bytes], dtype=torch.float64, device=rt.device)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        run.resident_bytes = int(mem[2])
+        run.step_peak_bytes = int(mem[0]) - run.resident_bytes
+        run.process_peak_bytes = int(mem[1])
+        if run.depth_read_s is not None:
+            share = torch.tensor([run.depth_read_s / run.profiled_step_s], dtype=torch.float64,
+                                 device=rt.device)
+            dist.all_reduce(share)
+            run.profiled_step_s = float(t[-1])
+            run.depth_read_s = float(share[0]) / rt.world_size * run.profiled_step_s
