@@ -25,7 +25,6 @@ setup(
         "triton": ["triton>=3.2"],
         "plots": ["matplotlib>=3.7"],
         "test": ["pytest", "hypothesis", "triton>=3.2,<3.7"],
-        "plots": ["matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": [
