@@ -28,7 +28,7 @@ FIELDS = (
     "arm", "label", "params", "step_times_s", "median_step_time_s", "tokens_per_s_per_gpu",
     "model_flops_per_token", "depth_read_flops_per_token", "flops_per_token", "mfu",
     "peak_memory_bytes", "process_peak_memory_bytes", "depth_read_time_s",
-    "profiled_step_time_s", "depth_read_share",
+    "profiled_step_time_s", "depth_read_share", "top_ops_profiled_step",
 ) + tuple(f + "_vs_standard" for f in RATIO_FIELDS)
 
 
@@ -105,12 +105,16 @@ def test_bad_arguments_one_line_error(name, capsys):
     assert needle in last, last
 
 
-def test_cuda_share_counts_exact_kernel_names_only():
-    rows = [SimpleNamespace(key="_fwd_kernel", self_device_time_total=100.0),
-            SimpleNamespace(key="_bwd_kernel", self_device_time_total=300.0),
-            SimpleNamespace(key="void pytorch_flash::flash_fwd_kernel<...>(...)",
-                            self_device_time_total=5000.0),
-            SimpleNamespace(key="depth_read", self_device_time_total=7000.0)]
-    prof = SimpleNamespace(key_averages=lambda: rows)
+def test_cuda_share_counts_exact_gpu_kernel_names_only():
+    from torch.autograd import DeviceType
+
+    def ev(name, us, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [ev("_fwd_kernel", 100.0), ev("_bwd_kernel", 300.0), ev("_fwd_kernel", 50.0),
+              ev("void pytorch_flash::flash_fwd_kernel<...>(...)", 5000.0),
+              ev("_fwd_kernel", 7000.0, DeviceType.CPU)]
+    prof = SimpleNamespace(events=lambda: events)
     pytest.importorskip("triton")
-    assert depth_read_time_s(prof, on_cuda=True) == pytest.approx(400e-6)
+    assert depth_read_time_s(prof, on_cuda=True) == pytest.approx(450e-6)

@@ -52,6 +52,7 @@ def arm_result(run: ArmRun, args, vocab_size: int, tokens_per_step: int, world_s
         "depth_read_time_s": run.depth_read_s,
         "profiled_step_time_s": run.profiled_step_s,
         "depth_read_share": share,
+        "top_ops_profiled_step": [{"name": k, "time_s": t} for k, t in run.top_ops],
     }
 
 
@@ -113,7 +114,7 @@ def write_plot(path: str, report: Dict[str, object]) -> bool:
                        "no plot written to %s", path)
         return False
     arms = report["arms"]
-    labels = [a["label"].replace(" ", "\n", 1) for a in arms]
+    labels = ["\n".join(a["label"].split(" ", 2)) for a in arms]
     panels = [
         ("median step time (ms)", "median_step_time_s", 1e3),
         ("MFU (%)", "mfu", 100.0),

@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ DEPTH_READ_RANGE = "depth_read"
 """The ``record_function`` name around every depth read (``DepthState.read``)."""
 
 _BACKWARD_NODES = ("_DepthReadBackward", "_DepthReadTritonBackward")
+
+TOP_OPS = 12
+"""How many of the profiled step's most expensive kernels/operators each arm reports."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class ArmRun:
         step_peak_bytes: largest growth of allocated memory during one timed step.
         process_peak_bytes: largest ``max_memory_allocated`` seen during a timed step.
         depth_read_s, profiled_step_s: depth-read time in the profiled step and its wall time.
+        top_ops: the profiled step's ``TOP_OPS`` most expensive kernels (CUDA) or operators
+            (CPU) by self time, as (name, seconds).
     """
 
     arm: Arm
@@ -74,6 +79,7 @@ class ArmRun:
     process_peak_bytes: int = 0
     depth_read_s: Optional[float] = None
     profiled_step_s: Optional[float] = None
+    top_ops: List[Tuple[str, float]] = field(default_factory=list)
 
 
 def _cuda() -> bool:
@@ -183,11 +189,16 @@ def depth_read_kernel_names() -> List[str]:
     return sorted(f.__name__ for f in jitted if f is not None and f.__name__.endswith("kernel"))
 
 
-def _device_time_us(evt) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(evt, attr):
-            return float(getattr(evt, attr))
-    return 0.0
+def device_kernel_times_us(prof) -> Dict[str, float]:
+    """Total device time per kernel name (microseconds) of a finished profile: only the
+    events that ran on the GPU, so a CPU-side event of the same name is never counted."""
+    from torch.autograd import DeviceType
+
+    out: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us()
+    return out
 
 
 def depth_read_time_s(prof, on_cuda: bool) -> float:
@@ -198,12 +209,12 @@ def depth_read_time_s(prof, on_cuda: bool) -> float:
     (self + children) time of the ``depth_read`` ranges (forward) plus that of the autograd
     nodes of the depth-read functions (backward).
     """
-    rows = prof.key_averages()
     if on_cuda:
         names = set(depth_read_kernel_names())
-        return sum(_device_time_us(e) for e in rows if e.key.split("(")[0] in names) * 1e-6
+        kernels = device_kernel_times_us(prof)
+        return sum(t for k, t in kernels.items() if k.split("(")[0] in names) * 1e-6
     total = 0.0
-    for e in rows:
+    for e in prof.key_averages():
         key = e.key
         if key == DEPTH_READ_RANGE or (key.startswith("autograd::engine::evaluate_function: ")
                                        and key.endswith(_BACKWARD_NODES)):
@@ -224,6 +235,18 @@ def profiled_step(run: ArmRun, batches) -> None:
         wall = time.perf_counter() - t0
     run.depth_read_s = depth_read_time_s(prof, _cuda())
     run.profiled_step_s = wall
+    run.top_ops = top_ops(prof, _cuda())
+
+
+def top_ops(prof, on_cuda: bool, n: int = TOP_OPS) -> List[Tuple[str, float]]:
+    """The ``n`` largest times of a finished profile: device kernels on CUDA, operators'
+    self CPU time on CPU; names cut to 120 characters."""
+    if on_cuda:
+        rows = [(k, t) for k, t in device_kernel_times_us(prof).items()]
+    else:
+        rows = [(e.key, float(e.self_cpu_time_total)) for e in prof.key_averages()]
+    rows.sort(key=lambda kv: -kv[1])
+    return [(k[:120], t * 1e-6) for k, t in rows[:n]]
 
 
 def _build_warm(arm: Arm, args, vocab_size: int, num_micro: int, batches) -> ArmRun:
