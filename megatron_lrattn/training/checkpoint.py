@@ -8,7 +8,14 @@ Layout of ``--save DIR``::
 
 A checkpoint is written to ``iter_N.tmp`` and renamed when every rank has finished, and
 ``latest`` is replaced atomically afterwards, so an interrupted save never damages the last
-good checkpoint.
+good checkpoint. With ``keep_last`` older complete checkpoints are deleted after a save
+succeeded (never the one ``latest`` names). An asynchronous save (GPU) writes the shards in a
+background process; the rename, ``latest`` and pruning happen when it is finalized.
+
+The distributed optimizer's state is saved in megatron's ``dp_reshardable`` format by default
+(each rank writes its own shard; the checkpoint loads at any data-parallel size but the same
+TP/PP layout) or ``fully_reshardable`` (gathered per parameter; loads at any TP/PP/DP layout,
+at the cost of an all-gather of the optimizer state). The model is always fully reshardable.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -24,6 +33,8 @@ import torch.distributed as dist
 
 DEPTH_FIELDS = ("residual", "key", "rank", "num_blocks", "num_layers", "hidden_size")
 META_NAME = "lrattn.json"
+OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+_ITER_NAME = re.compile(r"iter_\d{7}")
 
 
 class CheckpointError(RuntimeError):
@@ -57,32 +68,77 @@ def model_settings(config) -> Dict[str, Any]:
 
 
 def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, scheduler,
-                    config, consumed_samples: int, args: Optional[Dict[str, Any]] = None) -> str:
-    """Save model and optimizer state; returns the checkpoint folder."""
+                    config, consumed_samples: int, args: Optional[Dict[str, Any]] = None, *,
+                    keep_last: Optional[int] = None, optim_sharding: str = "dp_reshardable",
+                    async_queue=None) -> str:
+    """Save model and optimizer state.
+
+    Args:
+        save_dir: the ``--save`` folder.
+        iteration, consumed_samples: where training stands (restored by ``load_checkpoint``).
+        args: the run's arguments, kept in ``lrattn.json`` for provenance.
+        keep_last: after the save, delete all but the newest ``keep_last`` complete
+            checkpoints (None keeps all).
+        optim_sharding: distributed-optimizer format, ``dp_reshardable`` or
+            ``fully_reshardable`` (ignored by the plain optimizer).
+        async_queue: a ``megatron.core.dist_checkpointing`` ``AsyncCallsQueue``: write the
+            shards in the background; the checkpoint becomes ``latest`` when the caller
+            finalizes the request (``async_queue.maybe_finalize_async_calls``).
+
+    Returns:
+        The checkpoint folder (complete once a synchronous save returns).
+    """
     from megatron.core import dist_checkpointing
 
     name = f"iter_{iteration:07d}"
     final = os.path.join(save_dir, name)
     tmp = final + ".tmp"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
+    if _is_rank0():
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
     model_sd = _model_sharded_state_dict(models)
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+    state = {"model": model_sd,
+             "optimizer": optimizer.sharded_state_dict(model_sd, metadata=_optim_metadata(
+                 optim_sharding))}
+    meta = {
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "scheduler": scheduler.state_dict(),
+        "model_settings": model_settings(config),
+        "optimizer_sharding": optim_sharding,
+        "args": args or {},
+    }
+    finalize = partial(_finalize_save, save_dir, name, meta, keep_last)
     with _single_threaded_on_cpu():
-        dist_checkpointing.save(state, tmp)
+        if async_queue is None:
+            dist_checkpointing.save(state, tmp)
+            finalize()
+        else:
+            request = dist_checkpointing.save(state, tmp, async_sharded_save=True)
+            request.add_finalize_fn(finalize)
+            async_queue.schedule_async_request(request)
+    return final
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _optim_metadata(optim_sharding: str) -> Dict[str, Any]:
+    if optim_sharding not in OPTIM_SHARDINGS:
+        raise CheckpointError(f"optimizer sharding {optim_sharding!r}: use one of {OPTIM_SHARDINGS}")
+    return {"distrib_optim_sharding_type": optim_sharding}
+
+
+def _finalize_save(save_dir: str, name: str, meta: Dict[str, Any], keep_last: Optional[int]
+                   ) -> None:
+    """After every rank wrote its shards: meta file, rename, ``latest``, pruning."""
     _barrier()
-    if rank0:
-        meta = {
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "scheduler": scheduler.state_dict(),
-            "model_settings": model_settings(config),
-            "args": args or {},
-        }
+    if _is_rank0():
+        final = os.path.join(save_dir, name)
+        tmp = final + ".tmp"
         with open(os.path.join(tmp, META_NAME), "w") as f:
             json.dump(meta, f, indent=1, default=str)
         shutil.rmtree(final, ignore_errors=True)
@@ -91,8 +147,40 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
         with open(latest_tmp, "w") as f:
             f.write(name + "\n")
         os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+        if keep_last is not None:
+            prune_checkpoints(save_dir, keep_last)
     _barrier()
-    return final
+
+
+def complete_checkpoints(save_dir: str) -> List[str]:
+    """Names of the complete checkpoints under ``save_dir`` (``iter_NNNNNNN`` with
+    ``lrattn.json``), oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    names = [n for n in os.listdir(save_dir) if _ITER_NAME.fullmatch(n)
+             and os.path.isfile(os.path.join(save_dir, n, META_NAME))]
+    return sorted(names)
+
+
+def prune_checkpoints(save_dir: str, keep_last: int) -> List[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, never the one ``latest``
+    names; returns the deleted names. Incomplete ``.tmp`` folders are left alone."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last {keep_last}: must keep at least 1 checkpoint")
+    names = complete_checkpoints(save_dir)
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            latest = f.read().strip()
+    except OSError:
+        latest = None
+    deleted = [n for n in names[:-keep_last] if n != latest]
+    for n in deleted:
+        # Rename first: a crash mid-delete leaves a .tmp-like folder, never a half checkpoint
+        # that looks complete.
+        doomed = os.path.join(save_dir, n + ".deleting")
+        os.replace(os.path.join(save_dir, n), doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return deleted
 
 
 def _model_sharded_state_dict(models: List) -> Dict[str, Any]:
@@ -135,6 +223,58 @@ def check_compatible(meta: Dict[str, Any], config, path: str) -> None:
         raise CheckpointError(f"{path} was made with other model settings ({'; '.join(diffs)})")
 
 
+def _init_empty_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam(W) inside a distributed optimizer zero moments and step 0.
+
+    Without Apex/TE, megatron's ``DistributedOptimizer.state_dict`` (called to build the
+    loading state dict) reads every parameter's ``step`` and fails before the first step.
+    The zeros are overwritten by the load; parameters are left untouched (unlike a dummy
+    optimizer step, which would apply weight decay).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(
+                inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0),
+                                      "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _restore_adam_steps(optimizer, loaded: Dict[str, Any]) -> None:
+    """Give every parameter of a distributed optimizer's torch Adam(W) its own ``step``
+    tensor holding the saved step count.
+
+    megatron-core's ``DistributedOptimizer`` without Apex/TE loses the count on load: the
+    bucket-space parameter state copies the template's ``step`` over the restored one, and
+    ``load_state_dict`` puts one shared ``step`` tensor into every parameter's state (which
+    torch's foreach Adam then increments once per parameter). Either way the bias
+    correction of the resumed run is wrong. The count saved in the param groups is right.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for i, opt in enumerate(chained):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(
+                inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        saved = loaded if len(chained) == 1 else loaded[i]
+        steps = {g.get("step") for g in saved.get("optimizer", {}).get("param_groups", [])}
+        if len(steps) != 1 or None in steps:
+            continue
+        step = float(steps.pop())
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=state["step"].dtype,
+                                             device=state["step"].device)
+
+
 def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config) -> Dict[str, Any]:
     """Load the newest checkpoint into ``models``/``optimizer``/``scheduler``; returns its meta."""
     from megatron.core import dist_checkpointing
@@ -143,13 +283,22 @@ def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config) -
     meta = read_meta(path)
     check_compatible(meta, config, path)
     model_sd = _model_sharded_state_dict(models)
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    _init_empty_adam_state(optimizer)
+    metadata = _optim_metadata(meta.get("optimizer_sharding", "dp_reshardable"))
+    state = {"model": model_sd,
+             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                       metadata=metadata)}
     loaded = dist_checkpointing.load(state, path)
     if len(models) == 1:
         models[0].load_state_dict(loaded["model"])
     else:
         for i, m in enumerate(models):
             m.load_state_dict(loaded["model"][f"model{i}"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():
+        # In fp32 the distributed optimizer's main parameters are views of the model's
+        # leaf parameters; the in-place copy of the load must not be recorded by autograd.
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
     return meta
+
