@@ -121,9 +121,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.set_defaults(**PRESETS[pre.preset])
     parser.set_defaults(global_batch_size=None)
     args = parser.parse_args(argv)
-    if args.sequence_parallel:
-        raise ArgumentError("--sequence-parallel is not supported by the local spec yet; "
-                            "run without it")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (tp * pp):
