@@ -143,16 +143,24 @@ def _title(config, iteration) -> str:
     return f"({mode}, iter {iteration})"
 
 
-def analyze_checkpoint(args: argparse.Namespace) -> Dict:
-    """Load the checkpoint and data named by ``args`` and return the full report."""
-    from megatron_lrattn.analysis.routing import analyze_model, load_model_only, resolve_checkpoint
-    from megatron_lrattn.training.builder import build_config, build_model, padded_vocab_size
+def prepare(args: argparse.Namespace) -> tuple:
+    """The checkpoint folder, its ``lrattn.json`` and the training arguments it records
+    (imports torch, not megatron-core; raises ``CheckpointError`` / ``AnalysisError``)."""
+    from megatron_lrattn.analysis.routing import resolve_checkpoint
     from megatron_lrattn.training.checkpoint import read_meta
-    from megatron_lrattn.training.runtime import init_runtime, provenance
 
     path = resolve_checkpoint(args.checkpoint)
     meta = read_meta(path)
-    targs = _training_args(meta, path)
+    return path, meta, _training_args(meta, path)
+
+
+def analyze_checkpoint(args: argparse.Namespace, path: str, meta: Dict,
+                       targs: argparse.Namespace) -> Dict:
+    """Load the checkpoint and data and return the full report (see ``prepare``)."""
+    from megatron_lrattn.analysis.routing import analyze_model, load_model_only
+    from megatron_lrattn.training.builder import build_config, build_model, padded_vocab_size
+    from megatron_lrattn.training.runtime import init_runtime, provenance
+
     mbs = args.micro_batch_size or targs.micro_batch_size
     rt = init_runtime(1, 1, targs.seed)
     tokenizer, dataset = _dataset(args, targs, args.num_batches * mbs)
@@ -183,24 +191,39 @@ def analyze_checkpoint(args: argparse.Namespace) -> Dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point; returns the process exit code (2 on a bad input)."""
-    from megatron_lrattn.analysis.plots import PlotsUnavailable
-    from megatron_lrattn.analysis.routing import AnalysisError
-    from megatron_lrattn.config import ConfigError
-    from megatron_lrattn.data.errors import DataError
-    from megatron_lrattn.training.checkpoint import CheckpointError
+    """Entry point; returns the process exit code (2 on a bad input).
 
-    def _main() -> int:
+    Arguments and the checkpoint's metadata are checked before megatron-core is imported,
+    so bad input fails fast.
+    """
+    parsed = []
+
+    def _parse() -> int:
         args = parse_args(argv)
         if not args.no_plots:
-            from megatron_lrattn.analysis.plots import require_matplotlib
-
             require_matplotlib()
+        parsed.extend([args, *prepare(args)])
+        return 0
+
+    from megatron_lrattn.analysis.plots import PlotsUnavailable, require_matplotlib
+    from megatron_lrattn.analysis.routing import AnalysisError
+    from megatron_lrattn.training.checkpoint import CheckpointError
+
+    rc = run_cli(PROG, _parse, (AnalyzeArgumentError, AnalysisError, CheckpointError,
+                                PlotsUnavailable))
+    if rc:
+        return rc
+    args = parsed[0]
+
+    from megatron_lrattn.config import ConfigError
+    from megatron_lrattn.data.errors import DataError
+
+    def _main() -> int:
         setup_logging()
         from megatron_lrattn.training.runtime import shutdown_runtime
 
         try:
-            report = analyze_checkpoint(args)
+            report = analyze_checkpoint(*parsed)
         finally:
             shutdown_runtime()
         os.makedirs(args.out, exist_ok=True)
@@ -223,8 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"plot: {p}")
         return 0
 
-    return run_cli(PROG, _main, (AnalyzeArgumentError, AnalysisError, CheckpointError,
-                                 ConfigError, DataError, PlotsUnavailable))
+    return run_cli(PROG, _main, (AnalysisError, CheckpointError, ConfigError, DataError))
 
 
 if __name__ == "__main__":
