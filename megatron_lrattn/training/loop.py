@@ -212,7 +212,9 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         record = {"type": "train", "iteration": iteration, "loss": loss,
                   "grad_norm": None if grad_norm is None else float(grad_norm), "lr": lr,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "consumed_samples": consumed, "skipped": not ok}
+                  "consumed_samples": consumed, "skipped": not ok,
+                  "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
+                                      if torch.cuda.is_available() else None)}
         metrics.write(record)
         if bar is not None:
             bar.update(1)
