@@ -1,5 +1,5 @@
-"""Layer specs: stock megatron-core modules plus our layer, key-emitting projections and
-SDPA core attention."""
+"""Layer and block specs: stock megatron-core modules plus our layer, key-emitting
+projections, SDPA core attention and a sequence-parallel-aware PyTorch norm."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_lrattn.attention import SDPACoreAttention
 from megatron_lrattn.layer import LRAttnResLayer
+from megatron_lrattn.norms import SequenceParallelTorchNorm
 
 SPEC_BACKENDS = ("local",)
 CORE_ATTENTION = ("auto", "local", "sdpa")
@@ -60,8 +62,10 @@ def get_lr_attnres_layer_spec(
             (``sdpa`` when CUDA is available).
 
     Returns:
-        A ``ModuleSpec``: megatron-core's own local spec for ``standard`` (with only the
-        core attention swapped when ``sdpa`` is chosen), ``LRAttnResLayer`` otherwise.
+        A ``ModuleSpec``: megatron-core's own local spec for ``standard`` (with the core
+        attention swapped when ``sdpa`` is chosen), ``LRAttnResLayer`` otherwise. In both,
+        the norms are ``SequenceParallelTorchNorm`` (the same PyTorch modules as
+        megatron's ``WrappedTorchNorm``, but accepting ``sequence_parallel``).
     """
     if backend not in SPEC_BACKENDS:
         raise ValueError(f"backend={backend!r} is not available; allowed: {SPEC_BACKENDS}")
@@ -74,15 +78,43 @@ def get_lr_attnres_layer_spec(
         core_attention = "sdpa" if torch.cuda.is_available() else "local"
     sub = spec.submodules
     attn_changes, mlp_changes = {}, {}
+    if qk_layernorm:
+        attn_changes["q_layernorm"] = SequenceParallelTorchNorm
+        attn_changes["k_layernorm"] = SequenceParallelTorchNorm
     if core_attention == "sdpa":
         attn_changes["core_attention"] = SDPACoreAttention
     if config.projected_keys:
         attn_changes["linear_proj"] = KeyEmittingRowParallelLinear
         mlp_changes["linear_fc2"] = KeyEmittingRowParallelLinear
-    layer_changes = {}
+    layer_changes = {"input_layernorm": SequenceParallelTorchNorm,
+                     "pre_mlp_layernorm": SequenceParallelTorchNorm}
     if attn_changes:
         layer_changes["self_attention"] = _replace_submodules(sub.self_attention, **attn_changes)
     if mlp_changes:
         layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
     module = LRAttnResLayer if config.uses_depth_attention else spec.module
     return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
+
+
+def get_lr_attnres_block_spec(config, layer_spec: ModuleSpec, vp_stage=None, pp_rank=None
+                              ) -> TransformerBlockSubmodules:
+    """Block spec of one pipeline stage (or virtual stage): its layers and the final norm.
+
+    ``GPTModel`` given a layer spec builds the final norm from megatron's default norm,
+    which refuses sequence parallelism without TE or apex; given this block spec it builds
+    ``SequenceParallelTorchNorm``.
+
+    Args:
+        config: ``LRAttnResConfig``.
+        layer_spec: from ``get_lr_attnres_layer_spec``.
+        vp_stage: virtual pipeline stage of the model chunk (None without interleaving).
+        pp_rank: pipeline rank; default the current one.
+
+    Returns:
+        ``TransformerBlockSubmodules`` with one copy of ``layer_spec`` per layer built here.
+    """
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * count,
+                                      layer_norm=SequenceParallelTorchNorm)

@@ -85,7 +85,7 @@ def _global_name(name: str, model) -> str:
     return name
 
 
-def _run_layout(mode: str, tp: int, pp: int, ref):
+def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False):
     """Build, (load ref weights), run one forward-backward; return weights, losses, grads."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -100,7 +100,8 @@ def _run_layout(mode: str, tp: int, pp: int, ref):
         torch.manual_seed(SEED)
         model_parallel_cuda_manual_seed(SEED)
         args = parse_args(BASE + MODES[mode] + ["--tensor-model-parallel-size", str(tp),
-                                               "--pipeline-model-parallel-size", str(pp)])
+                                               "--pipeline-model-parallel-size", str(pp)]
+                          + (["--sequence-parallel"] if sp else []))
         config = build_config(args, bf16=False)
         model = build_model(config, args, VOCAB)
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -117,6 +118,9 @@ def _run_layout(mode: str, tp: int, pp: int, ref):
         shapes_fn = depth_tensor_shapes_fn(config)
         if shapes_fn is not None:
             kwargs["adjust_tensor_shapes_fn"] = shapes_fn
+        rows = []  # sequence rows of the embedding output (split over TP ranks under SP)
+        if model.pre_process:
+            model.embedding.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
         models[0].zero_grad_buffer()
         losses = get_forward_backward_func()(
             forward_step_func=_forward_step, data_iterator=iter(_batches()), model=models,
@@ -129,7 +133,8 @@ def _run_layout(mode: str, tp: int, pp: int, ref):
                 want = _shard(ref["grads"][names[n]], p, tp_rank, tp)
                 got = grads[names[n]]
                 errors[names[n]] = float((got - want).norm() / want.norm().clamp(min=1e-30))
-        return {"weights": weights, "grads": grads, "losses": losses, "errors": errors}
+        return {"weights": weights, "grads": grads, "losses": losses, "errors": errors,
+                "decoder_rows": sorted(set(rows))}
     finally:
         ps.destroy_model_parallel()
 
@@ -148,17 +153,18 @@ def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
     try:
         for mode in MODES:
             ref = _run_layout(mode, 1, 1, None)
-            for tp, pp in layouts:
-                res = _run_layout(mode, tp, pp, ref)
+            for layout in layouts:
+                res = _run_layout(mode, *layout[:2], ref, sp="sp" in layout)
                 loss_err = None
                 if res["losses"] is not None:
                     loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"]))
                 worst = max(res["errors"].items(), key=lambda kv: kv[1])
-                report[f"{mode}/tp{tp}pp{pp}"] = {
+                report[_key(mode, layout)] = {
                     "loss_rel_err": loss_err, "n_losses": len(res["losses"] or []),
                     "grad_rel_rms_max": worst[1], "worst_param": worst[0],
                     "n_params": len(res["errors"]),
                     "has_queries": any("depth_queries" in n for n in res["errors"]),
+                    "decoder_rows": res["decoder_rows"],
                 }
     finally:
         dist.destroy_process_group()
@@ -172,10 +178,14 @@ def _spawn(world: int, layouts, tmp_path) -> dict:
     return {r: json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world)}
 
 
+def _key(mode: str, layout) -> str:
+    return f"{mode}/tp{layout[0]}pp{layout[1]}" + ("sp" if "sp" in layout else "")
+
+
 def _check(reports: dict, layouts) -> None:
     for mode in MODES:
-        for tp, pp in layouts:
-            key = f"{mode}/tp{tp}pp{pp}"
+        for layout in layouts:
+            key = _key(mode, layout)
             rows = [rep[key] for rep in reports.values()]
             loss_rows = [r for r in rows if r["loss_rel_err"] is not None]
             assert loss_rows and all(r["n_losses"] == NUM_MICRO for r in loss_rows), key
@@ -185,12 +195,19 @@ def _check(reports: dict, layouts) -> None:
                 assert r["grad_rel_rms_max"] <= GRAD_RTOL, (key, r)
             if mode != "standard":
                 assert any(r["has_queries"] for r in rows), key
+            # The first stage's embedding output is split over TP ranks under SP.
+            want = SEQ // layout[0] if "sp" in layout else SEQ
+            assert all(r["decoder_rows"] in ([], [want]) for r in rows), (key, rows)
+            assert any(r["decoder_rows"] for r in rows), key
 
 
-def test_tp2_and_pp2_match_tp1pp1(tmp_path):
-    """TP=2 and PP=2 (stage boundary inside a depth block): per-micro-batch losses and
-    every gradient equal TP1PP1 from the same weights, for all residual modes."""
-    layouts = [(2, 1), (1, 2)]
+def test_tp2_sp_and_pp2_match_tp1pp1(tmp_path):
+    """TP=2, TP=2 with sequence parallelism, and PP=2 (stage boundary inside a depth
+    block): per-micro-batch losses and every gradient equal TP1PP1 from the same weights,
+    for all residual modes. Under SP every depth source is [s/2, b, d] on each rank and the
+    gradients of the norms, depth queries and embedding key projection are all-reduced
+    across TP by ``finalize_model_grads``."""
+    layouts = [(2, 1), (2, 1, "sp"), (1, 2)]
     reports = _spawn(2, layouts, tmp_path)
     print(json.dumps(reports, indent=1))
     _check(reports, layouts)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megatron_lrattn.config import LRAttnResConfig
 from megatron_lrattn.model import LRAttnResGPTModel
-from megatron_lrattn.spec import get_lr_attnres_layer_spec
+from megatron_lrattn.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
 
 
 def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
@@ -56,10 +56,10 @@ def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: i
     """This rank's model chunk (pre/post-process from its pipeline position)."""
     from megatron.core import parallel_state
 
-    spec = get_lr_attnres_layer_spec(config, qk_layernorm=args.qk_layernorm)
+    layer_spec = get_lr_attnres_layer_spec(config, qk_layernorm=args.qk_layernorm)
     model = LRAttnResGPTModel(
         config,
-        spec,
+        get_lr_attnres_block_spec(config, layer_spec),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
