@@ -106,10 +106,11 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if args.sequence_parallel:
+    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
         raise ArgumentError(
-            "--sequence-parallel needs a sequence-parallel-aware norm, which the local spec "
-            "does not have yet (megatron-core's torch norm refuses it); run without it"
+            f"--sequence-parallel splits the sequence over tensor-parallel ranks: --seq-length "
+            f"{args.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size}"
         )
     rt = runtime or init_runtime(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seed)
