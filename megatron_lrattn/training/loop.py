@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_lrattn.data.datasets import build_gpt_datasets, get_batch
 from megatron_lrattn.data.tokenizer import HFTokenizer
-from megatron_lrattn.pipeline import depth_tensor_shapes_fn
+from megatron_lrattn.pipeline import depth_tensor_shapes_fn, log_pipeline_payloads
 from megatron_lrattn.training.arguments import ArgumentError
 from megatron_lrattn.training.builder import (
     build_config,
@@ -162,6 +162,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     step_kwargs = dict(num_microbatches=num_micro, seq_length=args.seq_length,
                        micro_batch_size=mbs, decoder_seq_length=args.seq_length)
     shapes_fn = depth_tensor_shapes_fn(config)
+    if rt.is_main:
+        log_pipeline_payloads(config, args.seq_length, mbs)
     if shapes_fn is not None:
         # A stage boundary carries several depth sources: per-stage p2p shapes.
         step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
