@@ -236,8 +236,8 @@ def analyze_model(model, config, batches: Iterable[Mapping[str, Tensor]],
     handles = []
     for layer in model.decoder.layers:
         l = layer.layer_number
-        handles.append(layer.self_attention.register_forward_hook(_sublayer_hook(acc, 2 * l - 1, d)))
-        handles.append(layer.mlp.register_forward_hook(_sublayer_hook(acc, 2 * l, d)))
+        for module, sublayer in ((layer.self_attention, 2 * l - 1), (layer.mlp, 2 * l)):
+            handles.append(module.register_forward_hook(_sublayer_hook(acc, sublayer, d)))
 
     def on_read(site: int, state: DepthState, query: Tensor) -> None:
         acc.add_read(site, *depth_weights_and_entropy(state, query, config))

@@ -38,12 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser."""
     p = _Parser(prog=PROG, description="Depth-routing, activation-RMS and gradient-norm "
                                        "statistics of an lrattn-pretrain checkpoint.")
-    p.add_argument("checkpoint", help="a --save directory (its 'latest' is used) or an iter_* folder")
+    p.add_argument("checkpoint",
+                   help="a --save directory (its 'latest' is used) or an iter_* folder")
     p.add_argument("--out", default="lrattn_analysis",
                    help="output folder for analysis.json and the PNG plots (default: %(default)s)")
     p.add_argument("--split", choices=SPLITS, default="valid",
                    help="data split of the training data (default: %(default)s)")
-    p.add_argument("--num-batches", type=int, default=4, help="micro-batches (default: %(default)s)")
+    p.add_argument("--num-batches", type=int, default=4,
+                   help="micro-batches (default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="sequences per micro-batch (default: the training run's)")
     p.add_argument("--data-path", nargs="+", default=None,
@@ -124,7 +126,8 @@ def _dataset(args: argparse.Namespace, targs: argparse.Namespace, needed: int):
         cache_dir=os.path.join(cache_dir, "index") if cache_dir else None,
     )
     if datasets[k] is None:
-        raise AnalysisError(f"--split {args.split}: the data's split {split!r} gives it no documents")
+        raise AnalysisError(
+            f"--split {args.split}: the data's split {split!r} gives it no documents")
     return tokenizer, datasets[k]
 
 
