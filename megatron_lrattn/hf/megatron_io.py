@@ -170,8 +170,14 @@ def load_megatron(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], A
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from megatron_lrattn.data.tokenizer import HFTokenizer
     from megatron_lrattn.training.builder import padded_vocab_size
+
+    # torch.distributed.checkpoint reports reader failures as CheckpointException, a
+    # BaseException: catch it explicitly.
+    failures = (Exception, CheckpointException)
 
     meta = read_meta(path)
     args = argparse.Namespace(**(meta.get("args") or {}))
@@ -179,7 +185,7 @@ def load_megatron(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], A
         raise CheckpointError(f"{os.path.join(path, META_NAME)}: no 'args' recorded")
     try:
         stored = dist_checkpointing.load_tensors_metadata(path)
-    except Exception as e:  # noqa: BLE001 - any reader failure is a broken checkpoint
+    except failures as e:  # any reader failure is a broken checkpoint
         raise CheckpointError(f"{path}: unreadable distributed checkpoint ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     emb = stored.get("embedding.word_embeddings.weight")
@@ -205,7 +211,7 @@ def load_megatron(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], A
     try:
         loaded = dist_checkpointing.load({"model": sharded}, path)
         model.load_state_dict(loaded["model"])
-    except Exception as e:  # noqa: BLE001
+    except failures as e:
         raise CheckpointError(f"{path}: cannot load the model tensors ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
