@@ -38,8 +38,8 @@ POISON = os.environ.get("LRATTN_KERNELS_POISON", "0") == "1"
 SAVE_OUTPUT = os.environ.get("LRATTN_DEPTH_READ_SAVE_OUTPUT", "1") == "1"
 
 # Tile overrides for the benchmark's sweep: {"tile": elements per program, "warps": n,
-# "ctas_per_sm": persistent backward programs per SM, "prefetch": 0 to load each source
-# only when it is used}.
+# "ctas_per_sm": persistent backward programs per SM, "prefetch": 1 to load the next
+# source while reducing the current one}.
 TUNE: Dict[str, int] = {}
 
 
@@ -116,8 +116,7 @@ def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_pt
     m = tl.full([BT], float("-inf"), tl.float32)
     l = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
-    # PREFETCH: the next source's load is issued before this one's reductions, so one
-    # load is always in flight while the logit and the online-softmax update run
+    # PREFETCH: issue the next source's load before this one's reductions
     v_next = _load_value(0, v_tab, vs_tab, vref, rows64, m2, cols)
     for i in range(S):
         v = v_next
@@ -241,7 +240,9 @@ def _alloc(shape, dtype, device) -> Tensor:
 
 
 def _prefetch() -> bool:
-    return bool(TUNE.get("prefetch", 1))
+    # Off by default: on one H200 (benchmarks/results/prefetch_ab_2026-11-29.log) loading
+    # the next source ahead made the forward 10-80% slower and the backward mixed.
+    return bool(TUNE.get("prefetch", 0))
 
 
 def _interpreting() -> bool:
@@ -251,7 +252,10 @@ def _interpreting() -> bool:
 def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]:
     """(BT, BD, BR, num_warps): BT tokens times the padded width per program."""
     bd = triton.next_power_of_2(d)
-    br = triton.next_power_of_2(r) if projected else 1
+    # Key tiles narrower than 128 columns ran 16x slower on an H200 (r=32: 4.95 ms against
+    # 0.31 ms at r=128 for the same values, benchmarks/results/projected_probe_2026-11-29.log);
+    # the extra columns are masked.
+    br = max(128, triton.next_power_of_2(r)) if projected else 1
     # H200 sweep (benchmarks/results/depth_read.csv run of 1b1fc73): 2048-element tiles with
     # 4 warps beat 4096/8 by 5-12 points of copy bandwidth at d=2048 and d=4096
     tile = TUNE.get("tile", 2048)
