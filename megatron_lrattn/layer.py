@@ -20,10 +20,15 @@ def _normed(norm: nn.Module, x: Tensor) -> Tensor:
 
 
 class DepthQuery(nn.Module):
-    """One static depth-read query q ([r]), zero-initialised and always kept in fp32.
+    """One static depth-read query q ([r]), zero-initialised.
 
-    Megatron casts whole models to bf16 (``Float16Module``); a bf16 query stalls training,
-    so this module casts its parameter back to fp32 after any dtype conversion.
+    The parameter has the model's parameter dtype. With ``--bf16`` megatron's optimizer
+    keeps an fp32 main copy of it (as of every weight), so small updates accumulate in fp32
+    and are not lost to bf16 rounding (a query *stored and updated* in bf16 stalls); the
+    depth read computes its logits in fp32 from the query. megatron-core's mixed-precision
+    optimizers cannot checkpoint fp32 parameters inside a bf16 model (0.16-0.19: the
+    optimizer's sharded state only maps the bf16 groups), so the query is not kept fp32 in
+    the model itself.
     """
 
     def __init__(self, rank: int, sequence_parallel: bool = False):
@@ -32,9 +37,6 @@ class DepthQuery(nn.Module):
         # Replicated across TP ranks; under SP its gradient is a partial sum over the
         # local tokens and Megatron reduces parameters carrying this attribute.
         self.weight.sequence_parallel = sequence_parallel
-
-    def _apply(self, fn, recurse=True):
-        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
     def forward(self) -> Tensor:  # pragma: no cover - queries are read as .weight
         return self.weight

@@ -154,3 +154,18 @@ def test_load_with_other_depth_settings_fails_with_one_line_error(trained, resum
         _assert_one_line_error(rc, out, err, field, "other model settings")
         assert not log.exists()
     assert (ckpt / "latest").read_text().strip() == "iter_0000008"
+
+
+def test_bf16_run_saves_and_resumes(tmp_path, cache_dir):
+    # bf16 parameters with fp32 main copies in megatron's optimizer, depth queries included:
+    # the optimizer's sharded state must cover every parameter, or saving fails.
+    ckpt, log = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    base = [*SMALL, "--bf16", "--save", str(ckpt), "--log-json", str(log)]
+    rc, out, err = _run([*base, "--train-iters", "3"], cache_dir, tmp_path)
+    assert rc == 0, err[-4000:]
+    rc, out, err = _run([*base, "--train-iters", "4", "--load", str(ckpt)], cache_dir, tmp_path)
+    assert rc == 0, err[-4000:]
+    assert "Traceback" not in out + err
+    train = [r for r in _records(log) if r["type"] == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    assert (ckpt / "latest").read_text().strip() == "iter_0000004"

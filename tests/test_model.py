@@ -248,7 +248,7 @@ def test_zero_queries_read_the_plain_mean_of_sources(mode):
         torch.testing.assert_close(reads[site], mean, rtol=0, atol=1e-6, msg=f"site {site}")
 
 
-def test_every_parameter_gets_a_gradient_and_queries_stay_fp32_in_bf16():
+def test_every_parameter_gets_a_gradient_also_in_bf16():
     cfg = tiny_config("lr_attnres", key="projected", rank=8, num_blocks=2)
     model = build_gpt(cfg, seed=24)
     tokens, pos, labels = tiny_batch(7)
@@ -274,14 +274,14 @@ def test_every_parameter_gets_a_gradient_and_queries_stay_fp32_in_bf16():
         if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
             assert torch.count_nonzero(p.grad[d:]) > 0, f"key rows of {name}"
 
+    # Under bf16 the queries are bf16 model parameters (megatron's optimizer holds their
+    # fp32 main copies); the read's logits and softmax still run in fp32.
     model.zero_grad()
     model.bfloat16()
     for name, p in model.named_parameters():
-        want = torch.float32 if "depth_queries" in name else torch.bfloat16
-        assert p.dtype == want, name
+        assert p.dtype == torch.bfloat16, name
     model(tokens, pos, None, labels=labels).sum().backward()
     for q in model.decoder.depth_queries.values():
-        assert q.weight.dtype == torch.float32 and q.weight.grad.dtype == torch.float32
         assert torch.isfinite(q.weight.grad).all() and torch.count_nonzero(q.weight.grad) > 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import Dict
@@ -14,6 +15,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrattn.compat import apply_cpu_compat
+
+
+def _free_port() -> int:
+    """A TCP port that is free on this host now (single-process runs rendezvous on it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
@@ -49,7 +57,7 @@ def init_runtime(tp: int, pp: int, seed: int) -> Runtime:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
