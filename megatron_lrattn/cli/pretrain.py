@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -25,6 +26,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result = pretrain(args)
         finally:
             shutdown_runtime()
+        if os.environ.get("RANK", "0") != "0":
+            return 0
         if result.final_valid_loss is not None:
             print(f"first validation loss: {result.first_valid_loss:.4f}")
             print(f"final validation loss: {result.final_valid_loss:.4f}")

@@ -96,12 +96,83 @@ def parse_blend(
     return items[1::2], weights
 
 
-def _check_prefixes(prefixes: Sequence[str], split: str) -> None:
+_IDX_HEADER = b"MMIDIDX\x00\x00"
+_IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}
+_FULL_SCAN_TOKENS = 1 << 25
+_SAMPLE_WINDOWS, _WINDOW_TOKENS = 32, 1 << 20
+
+
+def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> int:
+    """Check a ``.bin``/``.idx`` pair cheaply before training reads it.
+
+    Reads the ``.idx`` header and arrays (not the tokens) and checks that the ``.idx`` has
+    the size its header announces and describes exactly the bytes of the ``.bin``: a
+    truncated ``.bin`` or an ``.idx`` of another dataset fails here instead of deep inside
+    training. With ``vocab_size``, the largest token id must be below it (a dataset made with
+    another tokenizer): files up to 32M tokens are scanned whole, larger ones in 32 windows
+    of 1M tokens spread over the file.
+
+    Args:
+        prefix: path without ``.bin``/``.idx``.
+        vocab_size: the tokenizer's vocabulary size (None skips the token-id check).
+
+    Returns:
+        The number of tokens in the ``.bin``.
+
+    Raises:
+        DataError: one line naming the file and the problem.
+    """
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (bin_, idx):
+        if not Path(path).is_file():
+            raise DataError(f"dataset file not found: {path}")
+    idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_)
+    with open(idx, "rb") as f:
+        head = f.read(34)
+    if len(head) < 34 or head[:9] != _IDX_HEADER:
+        raise DataError(f"{idx}: not a Megatron indexed-dataset index (bad header)")
+    version = int.from_bytes(head[9:17], "little")
+    dtype = _IDX_DTYPES.get(head[17])
+    if version != 1 or dtype is None:
+        raise DataError(f"{idx}: unsupported index (version {version}, dtype code {head[17]})")
+    n_seq, n_doc = int.from_bytes(head[18:26], "little"), int.from_bytes(head[26:34], "little")
+    expected_idx = 34 + 12 * n_seq + 8 * n_doc
+    if idx_size not in (expected_idx, expected_idx + n_seq):  # + n_seq: multimodal modes
+        raise DataError(f"{idx}: corrupt index ({idx_size} bytes, its header describes "
+                        f"{expected_idx})")
+    itemsize = np.dtype(dtype).itemsize
+    if n_seq == 0:
+        if bin_size:
+            raise DataError(f"{idx} describes no tokens but {bin_} has {bin_size} bytes")
+        return 0
+    mm = np.memmap(idx, mode="r", dtype=np.uint8)
+    lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=34)
+    pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=34 + 4 * n_seq)
+    expected_bin = int(pointers[-1]) + int(lengths[-1]) * itemsize
+    if bin_size != expected_bin:
+        what = "truncated" if bin_size < expected_bin else "longer than its index"
+        raise DataError(f"{bin_}: {bin_size} bytes but {idx} describes {expected_bin} "
+                        f"({what}; or the .idx belongs to another dataset)")
+    n_tokens = bin_size // itemsize
+    if vocab_size is not None and n_tokens:
+        tokens = np.memmap(bin_, mode="r", dtype=dtype)
+        if n_tokens <= _FULL_SCAN_TOKENS:
+            top = int(tokens.max())
+        else:
+            starts = np.linspace(0, n_tokens - _WINDOW_TOKENS, _SAMPLE_WINDOWS).astype(np.int64)
+            top = max(int(tokens[s:s + _WINDOW_TOKENS].max()) for s in starts)
+        if top >= vocab_size:
+            raise DataError(f"{bin_}: token id {top} >= the tokenizer's vocabulary size "
+                            f"{vocab_size} (tokenized with another tokenizer?)")
+    return n_tokens
+
+
+def _check_prefixes(prefixes: Sequence[str], split: str,
+                    vocab_size: Optional[int] = None) -> None:
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                raise DataError(f"dataset file not found: {prefix}{suffix}")
+        check_indexed_dataset(prefix, vocab_size)
         num_docs = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
         for name, bookends in zip(SPLIT_NAMES, matrix):
             if bookends is None:
@@ -165,7 +236,8 @@ def build_gpt_datasets(
         ``is_built_on_rank`` is False on this rank).
 
     Raises:
-        DataError: missing ``.bin``/``.idx``, a malformed blend, or an empty split.
+        DataError: missing or corrupt ``.bin``/``.idx`` (see :func:`check_indexed_dataset`),
+            token ids beyond the tokenizer's vocabulary, a malformed blend, or an empty split.
     """
     prefixes, weights = parse_blend(data_prefix_or_blend)
     num_samples = list(num_samples)
@@ -173,7 +245,7 @@ def build_gpt_datasets(
         raise DataError(f"num_samples needs 3 entries (train, valid, test), got {num_samples}")
     if weights is not None and any(n is None for n in num_samples):
         raise DataError("blend weights need num_samples for every split (Megatron requires it)")
-    _check_prefixes(prefixes, split)
+    _check_prefixes(prefixes, split, getattr(tokenizer, "vocab_size", None))
     cache_dir = str(cache_dir) if cache_dir is not None else default_index_cache_dir()
     config = LRGPTDatasetConfig(
         random_seed=seed,

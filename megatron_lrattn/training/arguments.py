@@ -100,6 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=_positive_int, default=None)
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    g.add_argument("--keep-last", type=_positive_int, default=None,
+                   help="keep only the newest N complete checkpoints (default: all)")
+    g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
+                   help="on SIGTERM save a checkpoint at the end of the current iteration and "
+                        "exit 0 (default: on when --save is given)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoint shards in a background process while training "
+                        "continues (megatron's async dist_checkpointing)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state so it loads at any TP/PP "
+                        "layout (default: any DP size, same TP/PP)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="TensorBoard event files (default: SAVE/tensorboard with --save)")
+    g.add_argument("--wandb-project", default=None,
+                   help="log to this Weights & Biases project (needs the wandb package)")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B local files (default: SAVE/wandb)")
     return p
 
 
@@ -188,6 +205,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--tokenizer-model: {args.tokenizer_model} is not a directory")
     if args.load is not None and not os.path.isdir(args.load):
         raise ArgumentError(f"--load: {args.load} is not a directory")
+    if args.exit_signal_handler is None:
+        args.exit_signal_handler = args.save is not None
+    for flag in ("keep_last", "async_save", "save_interval"):
+        if getattr(args, flag) and args.save is None:
+            raise ArgumentError(f"--{flag.replace('_', '-')} needs --save")
     for flag in ("save", "log_json"):
         path = getattr(args, flag)
         if path is None:

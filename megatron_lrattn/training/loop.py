@@ -25,7 +25,8 @@ from megatron_lrattn.training.builder import (
     padded_vocab_size,
     wrap_model,
 )
-from megatron_lrattn.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_lrattn.training.checkpoint import load_checkpoint
+from megatron_lrattn.training.checkpointer import Checkpointer
 from megatron_lrattn.training.runtime import Runtime, init_runtime, provenance
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             m.train()
         return total / args.eval_iters
 
+    # From here on SIGTERM saves and exits instead of killing the run.
+    checkpointer = Checkpointer(args, models, optimizer, scheduler, config)
     metrics = MetricsWriter(args.log_json, resume=bool(args.load), enabled=rt.is_main)
     metrics.write({"type": "run", **info})
     bar = None
@@ -197,7 +200,6 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     last_valid = first_valid
     train_iter = _batches(train_ds, consumed, mbs, dp_rank, rt.dp)
     tokens_per_step = gbs * args.seq_length
-    checkpoint = None
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         for m in models:
@@ -229,14 +231,12 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             last_valid = evaluate()
             metrics.write({"type": "valid", "iteration": iteration, "loss": last_valid})
             logger.info("validation loss at iteration %d: %.4f", iteration, last_valid)
-        if args.save and args.save_interval and iteration % args.save_interval == 0 \
-                and iteration < args.train_iters:
-            save_checkpoint(args.save, iteration, models, optimizer, scheduler, config, consumed,
-                            vars(args))
+        checkpointer.after_iteration(iteration, consumed)
+        if checkpointer.exit_requested():
+            logger.info("exit signal received: saving at iteration %d and exiting", iteration)
+            break
     if bar is not None:
         bar.close()
-    if args.save:
-        checkpoint = save_checkpoint(args.save, iteration, models, optimizer, scheduler, config,
-                                     consumed, vars(args))
+    checkpoint = checkpointer.finish(iteration, consumed)
     metrics.close()
     return TrainResult(first_valid, last_valid, iteration, checkpoint)

@@ -1,0 +1,101 @@
+"""When the training loop saves: every ``--save-interval``, at the end, and after SIGTERM.
+
+:class:`Checkpointer` owns the save policy around :func:`~.checkpoint.save_checkpoint`:
+interval saves, the exit-signal handler (save at the end of the current iteration, then
+leave the loop), asynchronous saves (megatron's ``AsyncCallsQueue``: the shards are staged
+in host memory and written by a forked process while training continues; the previous save
+is finalized before the next starts and before the run ends; meant for GPU runs, and it also
+works on the CPU) and ``--keep-last`` pruning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+from typing import List, Optional
+
+from megatron_lrattn.training.checkpoint import save_checkpoint
+from megatron_lrattn.training.signals import ExitSignalHandler
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Checkpoint policy of one run.
+
+    Args:
+        args: parsed ``lrattn-pretrain`` arguments (``save``, ``save_interval``,
+            ``keep_last``, ``async_save``, ``exit_signal_handler``,
+            ``dist_ckpt_optim_fully_reshardable``).
+        models, optimizer, scheduler, config: what is saved.
+
+    The exit-signal handler is installed here (main thread only) and removed by
+    :meth:`finish`.
+    """
+
+    def __init__(self, args: argparse.Namespace, models: List, optimizer, scheduler, config):
+        self.args = args
+        self.models, self.optimizer, self.scheduler, self.config = models, optimizer, scheduler, config
+        self.save_dir: Optional[str] = args.save
+        self.optim_sharding = ("fully_reshardable" if args.dist_ckpt_optim_fully_reshardable
+                               else "dp_reshardable")
+        self.last_saved: Optional[int] = None
+        self.queue = None
+        if self.save_dir and args.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+        self.handler: Optional[ExitSignalHandler] = None
+        if args.exit_signal_handler and threading.current_thread() is threading.main_thread():
+            self.handler = ExitSignalHandler().__enter__()
+
+    def save(self, iteration: int, consumed_samples: int) -> str:
+        """Save now (asynchronously with ``--async-save``); returns the checkpoint folder."""
+        if self.queue is not None:
+            # One save in flight at a time: its finalize step renames and prunes.
+            self.queue.maybe_finalize_async_calls(blocking=True)
+        path = save_checkpoint(self.save_dir, iteration, self.models, self.optimizer,
+                               self.scheduler, self.config, consumed_samples, vars(self.args),
+                               keep_last=self.args.keep_last,
+                               optim_sharding=self.optim_sharding, async_queue=self.queue)
+        self.last_saved = iteration
+        return path
+
+    def after_iteration(self, iteration: int, consumed_samples: int) -> None:
+        """Finalize finished async saves; save when ``--save-interval`` is due (not at the
+        last iteration: :meth:`finish` saves that one)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+        interval = self.args.save_interval
+        if (self.save_dir and interval and iteration % interval == 0
+                and iteration < self.args.train_iters):
+            self.save(iteration, consumed_samples)
+
+    def exit_requested(self) -> bool:
+        """True on every rank once any rank got SIGTERM (a collective when the handler is on)."""
+        return self.handler is not None and self.handler.received()
+
+    def finish(self, iteration: int, consumed_samples: int) -> Optional[str]:
+        """Save the final state (unless this iteration was just saved), wait for async
+        saves to complete, remove the signal handler. Returns the last checkpoint folder."""
+        path = None
+        try:
+            if self.save_dir:
+                if self.last_saved != iteration:
+                    self.save(iteration, consumed_samples)
+                path = os.path.join(self.save_dir, f"iter_{iteration:07d}")
+            if self.queue is not None:
+                self.queue.maybe_finalize_async_calls(blocking=True)
+                self.queue.close()
+        finally:
+            self.close()
+        return path
+
+    def close(self) -> None:
+        """Remove the signal handler (idempotent)."""
+        if self.handler is not None:
+            self.handler.__exit__(None, None, None)
+            self.handler = None
+
