@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 from typing import List, Optional, Sequence
@@ -207,6 +208,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--load: {args.load} is not a directory")
     if args.exit_signal_handler is None:
         args.exit_signal_handler = args.save is not None
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project needs the wandb package (pip install wandb)")
     for flag in ("keep_last", "async_save", "save_interval"):
         if getattr(args, flag) and args.save is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --save")

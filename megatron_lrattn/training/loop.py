@@ -28,6 +28,7 @@ from megatron_lrattn.training.builder import (
 from megatron_lrattn.training.checkpoint import load_checkpoint
 from megatron_lrattn.training.checkpointer import Checkpointer
 from megatron_lrattn.training.runtime import Runtime, init_runtime, provenance
+from megatron_lrattn.training.trackers import with_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
 
     # From here on SIGTERM saves and exits instead of killing the run.
     checkpointer = Checkpointer(args, models, optimizer, scheduler, config)
-    metrics = MetricsWriter(args.log_json, resume=bool(args.load), enabled=rt.is_main)
+    metrics = with_trackers(MetricsWriter(args.log_json, resume=bool(args.load),
+                                          enabled=rt.is_main), args, enabled=rt.is_main)
     metrics.write({"type": "run", **info})
     bar = None
     if rt.is_main and not args.no_progress:
