@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
-from typing import List, Optional, Sequence
+import sys
+from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lrattn.config import DEPTH_BACKENDS, KEY_TYPES, RESIDUAL_MODES
 from megatron_lrattn.training.presets import PRESETS
@@ -31,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="named model/training defaults (default: tiny)")
+    p.add_argument("--config", default=None,
+                   help="YAML or JSON file of flag values (keys are flag names without '--'; "
+                        "e.g. examples/presets/1b.yaml); explicit flags win over it")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=_positive_int)
@@ -122,13 +127,99 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse ``argv``: preset defaults first, explicit flags win. Then validate."""
+    """Parse ``argv``: preset defaults first, then ``--config`` values, explicit flags win.
+    Then validate."""
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
-    parser.set_defaults(**{k: v for k, v in PRESETS[pre.preset].items()})
+    config = load_config_file(pre.config, parser) if pre.config else {}
+    preset = pre.preset
+    if "preset" in config:
+        cli = sys.argv[1:] if argv is None else list(argv)
+        explicit = any(a == "--preset" or a.startswith("--preset=") for a in cli)
+        if explicit and pre.preset != config["preset"]:
+            raise ArgumentError(f"--preset {pre.preset} disagrees with preset "
+                                f"{config['preset']!r} in {pre.config}")
+        preset = config["preset"]
+    parser.set_defaults(**{k: v for k, v in PRESETS[preset].items()})
+    parser.set_defaults(**config)
     args = parser.parse_args(argv)
     validate_args(args)
     return args
+
+
+def _config_value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    """``value`` checked against the flag's action (type, choices), converted like the CLI."""
+    def bad(expected: str) -> ArgumentError:
+        return ArgumentError(f"{path}: key {key!r}: expected {expected}, got {value!r}")
+
+    if value is None:
+        return None
+    if action.nargs == 0:  # store_true / --flag/--no-flag
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if action.nargs in ("+", "*"):
+        if not isinstance(value, list) or not value or any(
+                isinstance(v, (bool, list, dict)) or v is None for v in value):
+            raise bad("a non-empty list")
+        return [str(v) for v in value]
+    kind = action.type
+    if kind in (int, _positive_int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        try:
+            value = kind(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise bad(f"a positive integer ({e})") from None
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        value = float(value)
+    elif not isinstance(value, str):
+        raise bad("a string")
+    if action.choices is not None and value not in action.choices:
+        raise bad(f"one of {sorted(action.choices)}")
+    return value
+
+
+def load_config_file(path: str, parser: Optional[argparse.ArgumentParser] = None
+                     ) -> Dict[str, Any]:
+    """Flag values from a YAML (``.yaml``/``.yml``) or JSON file, keyed by argument name
+    (``num_layers`` or ``num-layers``); a ``preset`` key names the base preset.
+
+    Raises:
+        ArgumentError: an unreadable file, an unknown key or a value of the wrong type, in one
+            line naming the file and the key.
+    """
+    parser = parser or build_parser()
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ArgumentError(f"--config: {path}: {e.strerror}") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error is the user's file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        kind = "YAML" if path.endswith((".yaml", ".yml")) else "JSON"
+        raise ArgumentError(f"--config: {path}: not valid {kind} ({first})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ArgumentError(f"--config: {path}: expected a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions:
+            raise ArgumentError(f"{path}: unknown key {key!r} (not an lrattn-pretrain flag)")
+        out[dest] = _config_value(path, str(key), actions[dest], value)
+    return out
 
 
 def _data_prefixes(data_path: List[str]) -> List[str]:

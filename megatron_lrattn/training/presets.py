@@ -105,3 +105,35 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         pipeline_model_parallel_size=2,
     ),
 }
+
+
+PRESET_FILES_HEADER = (
+    "# Generated from megatron_lrattn/training/presets.py (the single source; a test keeps\n"
+    "# this file equal to it). Copy it, edit the copy and pass it with --config FILE;\n"
+    "# keys are lrattn-pretrain flags without '--'.\n"
+)
+
+
+def preset_yaml(name: str) -> str:
+    """The text of ``examples/presets/<name>.yaml`` for preset ``name``."""
+    import yaml
+
+    body = yaml.safe_dump(PRESETS[name], sort_keys=True, default_flow_style=False)
+    return PRESET_FILES_HEADER + f"# preset: {name}\n" + body
+
+
+def write_preset_files(out_dir: str) -> None:
+    """Write ``<out_dir>/<name>.yaml`` for every preset (``python -m
+    megatron_lrattn.training.presets examples/presets``)."""
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in PRESETS:
+        with open(os.path.join(out_dir, f"{name}.yaml"), "w") as f:
+            f.write(preset_yaml(name))
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_preset_files(sys.argv[1] if len(sys.argv) > 1 else "examples/presets")
