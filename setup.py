@@ -19,12 +19,14 @@ setup(
         "transformers>=4.45",
         "tqdm",
         "psutil",
+        "pyyaml",
         "numpy<2.4",
     ],
     extras_require={
         "triton": ["triton>=3.2"],
         "plots": ["matplotlib>=3.7"],
-        "test": ["pytest", "hypothesis", "triton>=3.2,<3.7"],
+        # The tests draw the plots and run the kernels under TRITON_INTERPRET=1.
+        "test": ["pytest", "hypothesis", "triton>=3.2,<3.7", "matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": [
