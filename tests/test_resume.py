@@ -163,3 +163,18 @@ def test_global_batch_not_divisible_under_two_processes(tmp_path, cache_dir):
     assert ("lrattn-pretrain: error: --global-batch-size 3 is not divisible by "
             "--micro-batch-size 1 x data-parallel size 2") in err, err
     assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err
+
+
+def test_prune_keeps_the_newest_and_the_one_latest_names(tmp_path):
+    from megatron_lrattn.training.checkpoint import META_NAME, prune_checkpoints
+
+    for i in range(1, 5):
+        (tmp_path / f"iter_{i:07d}").mkdir()
+        (tmp_path / f"iter_{i:07d}" / META_NAME).write_text("{}")
+    (tmp_path / "iter_0000005.tmp").mkdir()
+    (tmp_path / "iter_0000006").mkdir()  # incomplete: no meta file
+    (tmp_path / "latest").write_text("iter_0000001\n")
+    assert prune_checkpoints(str(tmp_path), 2) == ["iter_0000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000001", "iter_0000003", "iter_0000004", "iter_0000005.tmp", "iter_0000006",
+        "latest"]
