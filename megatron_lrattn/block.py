@@ -10,8 +10,16 @@ from torch import Tensor, nn
 
 from megatron_lrattn.depth_state import DepthState, rms_normalize
 from megatron_lrattn.layer import DepthQuery
-from megatron_lrattn.pipeline import pack_state, packed_num_sources, unpack_state
+from megatron_lrattn.pipeline import (
+    chunk_ends_from_config,
+    pack_state,
+    packed_num_sources,
+    state_from_sources,
+    state_sources,
+    unpack_state,
+)
 from megatron_lrattn.schedule import schedule_from_config
+from megatron_lrattn.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
 
 
 class LRAttnResBlock(TransformerBlock):
@@ -20,7 +28,7 @@ class LRAttnResBlock(TransformerBlock):
     The stage's first layer starts from the embedding (first stage) or from the packed
     depth state received from the previous stage; every layer adds its two outputs to the
     ``DepthState``; the last stage reads site 2L before the final norm, other stages send the
-    packed state on. ``depth_queries`` holds one fp32 query per read site of this chunk,
+    packed state on. ``depth_queries`` holds one query per read site of this chunk,
     keyed by the global site number (``depth_queries.<site>.weight``), so a checkpoint does
     not depend on the pipeline layout.
 
@@ -58,6 +66,16 @@ class LRAttnResBlock(TransformerBlock):
         first = self.layers[0].layer_number if len(self.layers) else None
         self._sublayers_before = 2 * (first - 1) if first is not None else None
         self.packed_input: Optional[Tensor] = None
+        # Interleaved pipeline: what this chunk receives, sends and caches, and the
+        # rank-local cache shared by the rank's chunks (``link_model_chunks``).
+        self.chunk_plan = None
+        self.stage_cache: Optional[StageCache] = None
+        if getattr(config, "virtual_pipeline_model_parallel_size", None):
+            from megatron.core import parallel_state
+
+            pp = config.pipeline_model_parallel_size
+            chunk = self.vp_stage * pp + parallel_state.get_pipeline_model_parallel_rank()
+            self.chunk_plan = chunk_plan(self.schedule, chunk_ends_from_config(config), pp, chunk)
 
     def set_input_tensor(self, input_tensor: Optional[Tensor]) -> None:
         """Receive the packed depth state from the previous pipeline stage.
@@ -70,7 +88,10 @@ class LRAttnResBlock(TransformerBlock):
         if input_tensor is None or self._sublayers_before is None:
             self.input_tensor = input_tensor
             return
-        n_src = packed_num_sources(self.schedule, self._sublayers_before)
+        if self.chunk_plan is not None:
+            n_src = len(self.chunk_plan.received)
+        else:
+            n_src = packed_num_sources(self.schedule, self._sublayers_before)
         self.input_tensor = input_tensor[: input_tensor.shape[0] // n_src]
 
     def _query(self, site: int) -> Tensor:
@@ -82,6 +103,12 @@ class LRAttnResBlock(TransformerBlock):
             if self.embedding_key_proj is not None:
                 key = rms_normalize(self.embedding_key_proj(hidden_states), self.config.key_norm_eps)
             return DepthState(embedding=hidden_states, embedding_key=key)
+        if self.chunk_plan is not None:
+            plan = self.chunk_plan
+            received = list(self.packed_input.chunk(len(plan.received), dim=0))
+            return state_from_sources(assemble_input(plan, received, self.stage_cache),
+                                      self.schedule, self._sublayers_before,
+                                      self.config.hidden_size, self.config.projected_keys)
         return unpack_state(
             self.packed_input,
             self.schedule,
@@ -143,8 +170,35 @@ class LRAttnResBlock(TransformerBlock):
                 packed_seq_params=packed_seq_params,
             )
         if not self.post_process:
-            return make_viewless_tensor(inp=pack_state(state), requires_grad=True, keep_graph=True)
+            if self.chunk_plan is not None:
+                packed = pack_output(self.chunk_plan, state_sources(state), self.stage_cache)
+            else:
+                packed = pack_state(state)
+            return make_viewless_tensor(inp=packed, requires_grad=True, keep_graph=True)
         out = state.read(self._query(self.schedule.num_sites), self.config)
         if self.final_layernorm is not None:
             out = self.final_layernorm(out)
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
+
+
+def link_model_chunks(chunks) -> Optional[StageCache]:
+    """Give the model chunks of one pipeline rank (interleaved schedule) one shared
+    ``StageCache``, so a chunk reads the sources its rank saw in its previous chunk.
+
+    Args:
+        chunks: this rank's models, one per virtual stage, before or after wrapping
+            (``module`` attributes are followed to the ``GPTModel``).
+
+    Returns:
+        The cache, or None when no chunk has an ``LRAttnResBlock`` decoder.
+    """
+    cache = StageCache()
+    linked = False
+    for chunk in chunks:
+        while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+            chunk = chunk.module
+        decoder = getattr(chunk, "decoder", None)
+        if isinstance(decoder, LRAttnResBlock):
+            decoder.stage_cache = cache
+            linked = True
+    return cache if linked else None

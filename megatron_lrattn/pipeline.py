@@ -33,23 +33,39 @@ def packed_num_sources(schedule: DepthSchedule, sublayers_done: int) -> int:
 
 def pack_state(state: DepthState) -> Tensor:
     """Concatenate the state's sources along dim 0 into one new tensor."""
-    values, keys = state.sources()
-    if keys is not None:
-        values = [torch.cat([v, k.to(v.dtype)], dim=-1) for v, k in zip(values, keys)]
-    return torch.cat(values, dim=0)
+    return torch.cat(state_sources(state), dim=0)
 
 
 def unpack_state(packed: Tensor, schedule: DepthSchedule, sublayers_done: int, hidden_size: int,
                  projected: bool) -> DepthState:
     """Inverse of ``pack_state`` for the boundary after ``sublayers_done`` sub-layers."""
-    site = schedule.state_after(sublayers_done)
-    n_src = site.num_sources
+    n_src = schedule.state_after(sublayers_done).num_sources
+    return state_from_sources(_split_packed(packed, n_src, sublayers_done), schedule,
+                              sublayers_done, hidden_size, projected)
+
+
+def _split_packed(packed: Tensor, n_src: int, sublayers_done: int) -> List[Tensor]:
     if packed.shape[0] % n_src:
         raise ValueError(
             f"packed depth state has {packed.shape[0]} rows, not a multiple of the "
             f"{n_src} sources expected after sub-layer {sublayers_done}"
         )
-    parts = list(packed.chunk(n_src, dim=0))
+    return list(packed.chunk(n_src, dim=0))
+
+
+def state_sources(state: DepthState) -> List[Tensor]:
+    """The state's sources in label order, each [s, b, w] ([value | key] when projected)."""
+    values, keys = state.sources()
+    if keys is not None:
+        values = [torch.cat([v, k.to(v.dtype)], dim=-1) for v, k in zip(values, keys)]
+    return values
+
+
+def state_from_sources(parts: List[Tensor], schedule: DepthSchedule, sublayers_done: int,
+                       hidden_size: int, projected: bool) -> DepthState:
+    """``DepthState`` after ``sublayers_done`` from its sources in label order."""
+    site = schedule.state_after(sublayers_done)
+    parts = list(parts)
     keys = None
     if projected:
         keys = [p[..., hidden_size:] for p in parts]
@@ -141,10 +157,14 @@ def depth_tensor_shapes_fn(config, pp_rank: Optional[int] = None
         pp_rank: pipeline rank; default the current one from ``parallel_state``.
 
     Returns:
-        The function, or None when no adjustment is needed (``residual='standard'`` or no
-        pipeline parallelism).
+        The function, or None when no adjustment is needed (``residual='standard'``, no
+        pipeline parallelism, or interleaved stages, which use ``variable_seq_lengths``).
     """
     if not getattr(config, "uses_depth_attention", False) or config.pipeline_model_parallel_size == 1:
+        return None
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        # The interleaved schedule takes no adjust_tensor_shapes_fn: with
+        # variable_seq_lengths its p2p sends each tensor's shape first.
         return None
     if pp_rank is None:
         from megatron.core import parallel_state

@@ -85,56 +85,72 @@ def _global_name(name: str, model) -> str:
     return name
 
 
-def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False):
-    """Build, (load ref weights), run one forward-backward; return weights, losses, grads."""
+def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None):
+    """Build, (load ref weights), run one forward-backward; return weights, losses, grads.
+
+    ``vp``: virtual stages per pipeline rank (interleaved schedule, one layer per chunk)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_lrattn.pipeline import depth_tensor_shapes_fn
     from megatron_lrattn.training.arguments import parse_args
-    from megatron_lrattn.training.builder import build_config, build_model, wrap_model
+    from megatron_lrattn.training.builder import build_config, build_model_chunks, wrap_model
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp)
     try:
         torch.manual_seed(SEED)
         model_parallel_cuda_manual_seed(SEED)
+        extra = ["--sequence-parallel"] if sp else []
+        if vp:
+            extra += ["--num-layers-per-virtual-pipeline-stage", str(4 // (pp * vp))]
         args = parse_args(BASE + MODES[mode] + ["--tensor-model-parallel-size", str(tp),
                                                "--pipeline-model-parallel-size", str(pp)]
-                          + (["--sequence-parallel"] if sp else []))
+                          + extra)
         config = build_config(args, bf16=False)
-        model = build_model(config, args, VOCAB)
+        chunks = build_model_chunks(config, args, VOCAB)
         tp_rank = ps.get_tensor_model_parallel_rank()
-        names = {n: _global_name(n, model) for n, _ in model.named_parameters()}
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if ref is not None:
-                    p.copy_(_shard(ref["weights"][names[n]], p, tp_rank, tp))
-        weights = {names[n]: p.detach().clone() for n, p in model.named_parameters()}
-        models = [wrap_model(model, config, False)]
-        config.no_sync_func = models[0].no_sync
+        params = [(_global_name(n, m), p) for m in chunks for n, p in m.named_parameters()]
+        if ref is not None:
+            with torch.no_grad():
+                for name, p in params:
+                    p.copy_(_shard(ref["weights"][name], p, tp_rank, tp))
+        weights = {name: p.detach().clone() for name, p in params}
+        models = [wrap_model(m, config, False) for m in chunks]
+        config.no_sync_func = [m.no_sync for m in models] if vp else models[0].no_sync
         kwargs = dict(num_microbatches=NUM_MICRO, seq_length=SEQ, micro_batch_size=MBS,
                       decoder_seq_length=SEQ)
         shapes_fn = depth_tensor_shapes_fn(config)
         if shapes_fn is not None:
             kwargs["adjust_tensor_shapes_fn"] = shapes_fn
         rows = []  # sequence rows of the embedding output (split over TP ranks under SP)
-        if model.pre_process:
-            model.embedding.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
-        models[0].zero_grad_buffer()
+        wire = {}  # interleaved: sources each chunk received over p2p, per micro-batch
+        for m in chunks:
+            if m.pre_process:
+                m.embedding.register_forward_hook(lambda mod, a, out: rows.append(out.shape[0]))
+            elif getattr(m.decoder, "chunk_plan", None) is not None:
+                m.decoder.register_forward_pre_hook(
+                    lambda mod, a: wire.setdefault(mod.chunk_plan.chunk, set()).add(
+                        mod.packed_input.shape[0] // SEQ))
+        for m in models:
+            m.zero_grad_buffer()
+        data = [iter(_batches()) for _ in models] if vp else iter(_batches())
         losses = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(_batches()), model=models,
+            forward_step_func=_forward_step, data_iterator=data, model=models,
             forward_only=False, **kwargs)
         losses = [float(x["lm loss"]) for x in losses] if ps.is_pipeline_last_stage() else None
-        grads = {names[n]: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+        grads = {name: p.main_grad.detach().clone() for name, p in params}
         errors = {}
         if ref is not None:
-            for n, p in model.named_parameters():
-                want = _shard(ref["grads"][names[n]], p, tp_rank, tp)
-                got = grads[names[n]]
-                errors[names[n]] = float((got - want).norm() / want.norm().clamp(min=1e-30))
+            for name, p in params:
+                want = _shard(ref["grads"][name], p, tp_rank, tp)
+                errors[name] = float((grads[name] - want).norm() / want.norm().clamp(min=1e-30))
+        cache = getattr(chunks[0].decoder, "stage_cache", None)
         return {"weights": weights, "grads": grads, "losses": losses, "errors": errors,
-                "decoder_rows": sorted(set(rows))}
+                "decoder_rows": sorted(set(rows)),
+                "wire_sources": {str(c): sorted(v) for c, v in wire.items()},
+                "cache_left": len(cache) if cache is not None else 0}
     finally:
         ps.destroy_model_parallel()
 
@@ -154,7 +170,8 @@ def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
         for mode in MODES:
             ref = _run_layout(mode, 1, 1, None)
             for layout in layouts:
-                res = _run_layout(mode, *layout[:2], ref, sp="sp" in layout)
+                res = _run_layout(mode, *layout[:2], ref, sp="sp" in layout,
+                                  vp=2 if "vp2" in layout else None)
                 loss_err = None
                 if res["losses"] is not None:
                     loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"]))
@@ -165,6 +182,7 @@ def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
                     "n_params": len(res["errors"]),
                     "has_queries": any("depth_queries" in n for n in res["errors"]),
                     "decoder_rows": res["decoder_rows"],
+                    "wire_sources": res["wire_sources"], "cache_left": res["cache_left"],
                 }
     finally:
         dist.destroy_process_group()
@@ -179,7 +197,7 @@ def _spawn(world: int, layouts, tmp_path) -> dict:
 
 
 def _key(mode: str, layout) -> str:
-    return f"{mode}/tp{layout[0]}pp{layout[1]}" + ("sp" if "sp" in layout else "")
+    return f"{mode}/tp{layout[0]}pp{layout[1]}" + "".join(layout[2:])
 
 
 def _check(reports: dict, layouts) -> None:
@@ -199,15 +217,23 @@ def _check(reports: dict, layouts) -> None:
             want = SEQ // layout[0] if "sp" in layout else SEQ
             assert all(r["decoder_rows"] in ([], [want]) for r in rows), (key, rows)
             assert any(r["decoder_rows"] for r in rows), key
+            if "vp2" in layout and mode != "standard":
+                # L=4, N=3, one layer per chunk (ends 2, 4, 6, 8 on ranks 0, 1, 0, 1): chunks
+                # 1..3 receive v0 P[1:2] | B1 P[4:4] | B2 (naive: 2, 3, 3 sources); the
+                # rest comes from the rank-local cache, which is empty after the step.
+                wire = {c: n for r in rows for c, n in r["wire_sources"].items()}
+                assert wire == {"1": [2], "2": [2], "3": [1]}, (key, wire)
+                assert all(r["cache_left"] == 0 for r in rows), key
 
 
-def test_tp2_sp_and_pp2_match_tp1pp1(tmp_path):
-    """TP=2, TP=2 with sequence parallelism, and PP=2 (stage boundary inside a depth
-    block): per-micro-batch losses and every gradient equal TP1PP1 from the same weights,
+def test_tp2_sp_pp2_and_interleaved_match_tp1pp1(tmp_path):
+    """TP=2, TP=2 with sequence parallelism, PP=2 (stage boundary inside a depth block)
+    and PP=2 with 2 virtual stages per rank (interleaved schedule, rank-local source
+    cache): per-micro-batch losses and every gradient equal TP1PP1 from the same weights,
     for all residual modes. Under SP every depth source is [s/2, b, d] on each rank and the
     gradients of the norms, depth queries and embedding key projection are all-reduced
     across TP by ``finalize_model_grads``."""
-    layouts = [(2, 1), (2, 1, "sp"), (1, 2)]
+    layouts = [(2, 1), (2, 1, "sp"), (1, 2), (1, 2, "vp2")]
     reports = _spawn(2, layouts, tmp_path)
     print(json.dumps(reports, indent=1))
     _check(reports, layouts)

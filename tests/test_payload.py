@@ -124,3 +124,31 @@ def test_log_pipeline_payloads(caplog):
     assert hops[0].bytes_per_source == 32 * 1 * 64 * 2
     assert "naive sources" in caplog.text and "B5 B6" in caplog.text
     assert log_pipeline_payloads(_config(), seq_length=32, micro_batch_size=1) == []
+
+
+def test_chunk_plans_and_cache_gradients():
+    """L=4, N=3, P=2, V=2: chunk 2 (rank 0) receives B1, P[4:4] and takes v0 from chunk 0's
+    cache. Gradients reach the cached source through the producing chunk's pack in the
+    order megatron runs backward (later chunk first), and the cache is emptied."""
+    from megatron_lrattn.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
+
+    schedule, ends = depth_schedule(4, 3), [2, 4, 6, 8]
+    plans = [chunk_plan(schedule, ends, 2, c) for c in range(4)]
+    assert plans[0].sent == ("v0", "P[1:2]") and plans[0].cache_for_next
+    assert plans[2].in_labels == ("v0", "B1", "P[4:4]") and plans[2].received == ("B1", "P[4:4]")
+    assert plans[2].cache_from == 0 and not plans[2].cache_for_next
+    assert plans[3].received == ("B2",) and plans[3].out_labels == ()
+
+    g = torch.Generator().manual_seed(0)
+    v0, p12 = (torch.randn(3, 1, 4, generator=g, requires_grad=True) for _ in range(2))
+    b1, p44 = (torch.randn(3, 1, 4, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(3, 1, 4, generator=g)
+    cache = StageCache()
+    packed = pack_output(plans[0], [v0 * 2, p12 * 3], cache)   # chunk 0's output
+    assert packed.shape == (6, 1, 4) and len(cache) == 1
+    ins = assemble_input(plans[2], [b1, p44], cache)          # chunk 2's input
+    assert len(cache) == 0 and ins[1] is b1 and ins[0].grad_fn is None
+    (ins[0] * ins[1] * w).sum().backward()                    # chunk 2's backward first
+    packed.backward(torch.ones_like(packed))                  # then chunk 0's
+    want_v0 = 2 * (1 + b1.detach() * w)
+    assert torch.allclose(v0.grad, want_v0) and torch.allclose(p12.grad, torch.full_like(p12, 3.0))

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=_positive_int)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None,
+                   help="interleaved pipeline: layers per model chunk (V = L / (P x this))")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
@@ -284,6 +286,15 @@ def validate_args(args: argparse.Namespace) -> None:
     for flag in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, flag) < 1.0:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be in [0, 1)")
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None:
+        pp = args.pipeline_model_parallel_size
+        if pp < 2 or args.num_layers % (pp * per_virtual) or args.num_layers == pp * per_virtual:
+            raise ArgumentError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual}: needs "
+                f"--pipeline-model-parallel-size >= 2 and --num-layers ({args.num_layers}) a "
+                f"multiple of P x it with at least 2 virtual stages (P = {pp})"
+            )
     if not (math.isfinite(args.depth_scale) and args.depth_scale > 0):
         raise ArgumentError(f"--depth-scale {args.depth_scale} must be a finite number > 0")
     if args.data_path is not None:

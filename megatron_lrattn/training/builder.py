@@ -18,6 +18,10 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
     from megatron.core.distributed import finalize_model_grads
 
     dtype = torch.bfloat16 if bf16 else torch.float32
+    per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    virtual = None
+    if per_virtual is not None:
+        virtual = args.num_layers // (args.pipeline_model_parallel_size * per_virtual)
     return LRAttnResConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -36,6 +40,15 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual,
+        # The interleaved schedule takes no per-stage shapes: p2p exchanges them (megatron
+        # refuses that with its default MoE dispatcher, unused here: no MoE).
+        variable_seq_lengths=virtual is not None,
+        moe_token_dispatcher_type="alltoall" if virtual is not None else "allgather",
+        # With P = 2 the interleaved ring sends activations and gradients between the same
+        # two ranks; gloo matches messages by order, so keep the two directions on separate
+        # communicators (megatron's unbatched p2p) on CPU.
+        batch_p2p_comm=virtual is None or torch.cuda.is_available(),
         sequence_parallel=args.sequence_parallel,
         bf16=bf16,
         params_dtype=dtype,
@@ -52,23 +65,44 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
     )
 
 
-def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: int):
-    """This rank's model chunk (pre/post-process from its pipeline position)."""
+def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: int,
+                vp_stage=None):
+    """This rank's model chunk (pre/post-process from its pipeline position).
+
+    Args:
+        vp_stage: virtual pipeline stage of the chunk (interleaved schedule), else None.
+    """
     from megatron.core import parallel_state
 
     layer_spec = get_lr_attnres_layer_spec(config, qk_layernorm=args.qk_layernorm)
+    virtual = dict(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None else {}
     model = LRAttnResGPTModel(
         config,
-        get_lr_attnres_block_spec(config, layer_spec),
+        get_lr_attnres_block_spec(config, layer_spec, vp_stage=vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(**virtual),
+        post_process=parallel_state.is_pipeline_last_stage(**virtual),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
     )
     return model
+
+
+def build_model_chunks(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: int
+                       ) -> List:
+    """This rank's model chunks: one per virtual pipeline stage (interleaved schedule),
+    sharing one rank-local depth-source cache, else a list of the one model."""
+    from megatron_lrattn.block import link_model_chunks
+
+    virtual = config.virtual_pipeline_model_parallel_size
+    if not virtual:
+        return [build_model(config, args, vocab_size)]
+    chunks = [build_model(config, args, vocab_size, vp_stage=v) for v in range(virtual)]
+    link_model_chunks(chunks)
+    return chunks
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:

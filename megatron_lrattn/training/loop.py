@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from megatron_lrattn.pipeline import depth_tensor_shapes_fn, log_pipeline_payloa
 from megatron_lrattn.training.arguments import ArgumentError
 from megatron_lrattn.training.builder import (
     build_config,
-    build_model,
+    build_model_chunks,
     build_optimizer,
     padded_vocab_size,
     wrap_model,
@@ -60,6 +60,12 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss = (output_tensor.float().view(-1) * mask).sum() / mask.sum().clamp(min=1)
     # The schedule divides the returned loss in place: report a copy.
     return loss, {"lm loss": loss.detach().clone()}
+
+
+def _per_chunk(make: Callable[[], Iterator[Dict]], n_chunks: int):
+    """One data iterator, or one per model chunk for the interleaved schedule (each chunk
+    draws the same micro-batches; only the first and last use them)."""
+    return make() if n_chunks == 1 else [make() for _ in range(n_chunks)]
 
 
 def _forward_step(device, data_iterator, model):
@@ -103,6 +109,13 @@ class MetricsWriter:
             self.f.close()
 
 
+def _virtual_stages(args: argparse.Namespace) -> Optional[int]:
+    per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_virtual is None:
+        return None
+    return args.num_layers // (args.pipeline_model_parallel_size * per_virtual)
+
+
 def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> TrainResult:
     """Run pretraining as configured by ``args`` (from ``parse_args``)."""
     from megatron.core import parallel_state as ps
@@ -115,7 +128,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             f"{args.tensor_model_parallel_size}"
         )
     rt = runtime or init_runtime(args.tensor_model_parallel_size,
-                                 args.pipeline_model_parallel_size, args.seed)
+                                 args.pipeline_model_parallel_size, args.seed,
+                                 vp=_virtual_stages(args))
     bf16 = args.bf16 if args.bf16 is not None else torch.cuda.is_available()
     config = build_config(args, bf16)
     mbs, gbs = args.micro_batch_size, args.global_batch_size
@@ -125,6 +139,14 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             f"data-parallel size {rt.dp}"
         )
     num_micro = gbs // (mbs * rt.dp)
+    pp = args.pipeline_model_parallel_size
+    if _virtual_stages(args) and (num_micro % pp or (num_micro < 2 * pp
+                                                     and not torch.cuda.is_available())):
+        raise ArgumentError(
+            f"the interleaved schedule needs micro-batches per step ({num_micro}) to be a "
+            f"multiple of --pipeline-model-parallel-size {pp}, and at least 2 x it on CPU "
+            "(with exactly P megatron's interleaved schedule deadlocks over gloo)"
+        )
 
     if args.data_path is None:
         from megatron_lrattn.data.default_corpus import ensure_default_data
@@ -143,10 +165,10 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         cache_dir=os.path.join(args.cache_dir, "index") if args.cache_dir else None,
     )
 
-    model = build_model(config, args, padded_vocab_size(tokenizer.vocab_size, rt.tp))
-    n_params = sum(p.numel() for p in model.parameters())
-    models = [wrap_model(model, config, args.use_distributed_optimizer)]
-    config.no_sync_func = models[0].no_sync
+    chunks = build_model_chunks(config, args, padded_vocab_size(tokenizer.vocab_size, rt.tp))
+    n_params = sum(p.numel() for m in chunks for p in m.parameters())
+    models = [wrap_model(m, config, args.use_distributed_optimizer) for m in chunks]
+    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     optimizer, scheduler = build_optimizer(models, config, args)
 
     iteration, consumed = 0, 0
@@ -174,7 +196,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     def evaluate() -> float:
         for m in models:
             m.eval()
-        valid_iter = _batches(valid_ds, 0, mbs, dp_rank, rt.dp)
+        valid_iter = _per_chunk(lambda: _batches(valid_ds, 0, mbs, dp_rank, rt.dp), len(models))
         total = 0.0
         with torch.no_grad():
             for _ in range(args.eval_iters):
@@ -200,7 +222,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     metrics.write({"type": "valid", "iteration": iteration, "loss": first_valid})
     logger.info("validation loss at iteration %d: %.4f", iteration, first_valid)
     last_valid = first_valid
-    train_iter = _batches(train_ds, consumed, mbs, dp_rank, rt.dp)
+    train_iter = _per_chunk(lambda: _batches(train_ds, consumed, mbs, dp_rank, rt.dp),
+                            len(models))
     tokens_per_step = gbs * args.seq_length
     while iteration < args.train_iters:
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ import random
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -41,9 +41,10 @@ class Runtime:
         return self.rank == 0
 
 
-def init_runtime(tp: int, pp: int, seed: int) -> Runtime:
+def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None) -> Runtime:
     """Initialise torch.distributed (env:// under torchrun, else a single process) and
-    megatron's model-parallel groups, then seed every generator.
+    megatron's model-parallel groups (with ``vp`` virtual pipeline stages per rank), then
+    seed every generator.
 
     Raises:
         ArgumentError: when the world size is not divisible by tp * pp.
@@ -71,7 +72,8 @@ def init_runtime(tp: int, pp: int, seed: int) -> Runtime:
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp,
         )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed + 100 * pp_rank)
