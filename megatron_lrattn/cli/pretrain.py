@@ -20,10 +20,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parse_args(argv)
         setup_logging()
         from megatron_lrattn.training.loop import pretrain
+        from megatron_lrattn.training.numerics import NonFiniteError
         from megatron_lrattn.training.runtime import shutdown_runtime
 
         try:
             result = pretrain(args)
+        except NonFiniteError as e:
+            print(f"lrattn-pretrain: error: {e}", file=sys.stderr)
+            return 3
         finally:
             shutdown_runtime()
         if os.environ.get("RANK", "0") != "0":

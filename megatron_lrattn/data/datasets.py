@@ -136,6 +136,9 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> int:
     dtype = _IDX_DTYPES.get(head[17])
     if version != 1 or dtype is None:
         raise DataError(f"{idx}: unsupported index (version {version}, dtype code {head[17]})")
+    if not np.issubdtype(dtype, np.integer):
+        raise DataError(f"{idx}: token dtype {np.dtype(dtype).name} is not an integer type "
+                        f"(token ids must be integers)")
     n_seq, n_doc = int.from_bytes(head[18:26], "little"), int.from_bytes(head[26:34], "little")
     expected_idx = 34 + 12 * n_seq + 8 * n_doc
     if idx_size not in (expected_idx, expected_idx + n_seq):  # + n_seq: multimodal modes
@@ -145,7 +148,7 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> int:
     if n_seq == 0:
         if bin_size:
             raise DataError(f"{idx} describes no tokens but {bin_} has {bin_size} bytes")
-        return 0
+        raise DataError(f"{bin_}: empty dataset (its index lists no documents)")
     mm = np.memmap(idx, mode="r", dtype=np.uint8)
     lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=34)
     pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=34 + 4 * n_seq)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lrattn.config import DEPTH_BACKENDS, KEY_TYPES, RESIDUAL_MODES
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float)
     g.add_argument("--adam-beta2", type=float)
     g.add_argument("--clip-grad", type=float)
+    g.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
+                   help="a non-finite loss or gradient: stop with an error naming the iteration "
+                        "and tensor (default), or skip the optimizer step")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms only (torch, cuBLAS workspace, no TF32): the "
+                        "same seed and layout give bit-identical losses")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 parameters with fp32 main weights (default: on with CUDA)")
@@ -244,6 +251,23 @@ def _data_prefixes(data_path: List[str]) -> List[str]:
     return items[1::2]
 
 
+def _check_writable(flag: str, path: str, parent: str, is_dir: bool) -> None:
+    """Refuse a path that cannot be written: a file where a folder must go (or the other
+    way round), or a folder where creating a file fails (permissions, a read-only file
+    system; tried with a probe file that is removed at once, so it also holds for root)."""
+    if is_dir and os.path.exists(path) and not os.path.isdir(path):
+        raise ArgumentError(f"{flag}: {path} exists and is not a directory")
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"{flag}: {parent} is not a directory")
+    where = path if is_dir and os.path.isdir(path) else parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lrattn_write_test_", dir=where)
+    except OSError as e:
+        raise ArgumentError(f"{flag}: {where} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Check values and combinations before anything is built or written.
 
@@ -261,6 +285,21 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.num_attention_heads % args.num_query_groups:
         raise ArgumentError("--num-attention-heads must be a multiple of --num-query-groups")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % tp:
+            raise ArgumentError(f"{flag} {value} is not divisible by "
+                                f"--tensor-model-parallel-size {tp} (each rank holds a slice)")
+    if args.num_layers % pp:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {pp} (equal layers per stage)")
+    head_dim = args.hidden_size // args.num_attention_heads
+    if args.position_embedding_type == "rope" and head_dim % 2:
+        raise ArgumentError(
+            f"--position-embedding-type rope needs an even head dimension: --hidden-size "
+            f"{args.hidden_size} / --num-attention-heads {args.num_attention_heads} = {head_dim}")
     n_sub = 2 * args.num_layers
     if args.residual != "standard":
         if not 1 <= args.num_blocks <= n_sub:
@@ -324,5 +363,4 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--log-json: {path} is a directory")
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK):
-            raise ArgumentError(f"--{flag.replace('_', '-')}: {parent} is not writable")
+        _check_writable(f"--{flag.replace('_', '-')}", path, parent, flag == "save")

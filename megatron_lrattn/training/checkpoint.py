@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lrattn.training import faults
+
 DEPTH_FIELDS = ("residual", "key", "rank", "num_blocks", "num_layers", "hidden_size")
 META_NAME = "lrattn.json"
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
@@ -113,13 +115,104 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
     finalize = partial(_finalize_save, save_dir, name, meta, keep_last)
     with _single_threaded_on_cpu():
         if async_queue is None:
-            dist_checkpointing.save(state, tmp)
-            finalize()
+            try:
+                dist_checkpointing.save(state, tmp)
+                faults.after_checkpoint_shards(iteration)
+                finalize()
+            except Exception as e:  # noqa: BLE001 - megatron wraps OSErrors in its own types
+                _raise_write_error(e, save_dir, tmp)
+                raise
         else:
             request = dist_checkpointing.save(state, tmp, async_sharded_save=True)
             request.add_finalize_fn(finalize)
             async_queue.schedule_async_request(request)
     return final
+
+
+def _os_error(e: BaseException) -> Optional[OSError]:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _raise_write_error(e: BaseException, save_dir: str, tmp: str) -> None:
+    """A save that failed on the file system (disk full, permissions, I/O): drop the
+    partial ``.tmp`` folder and raise a one-line ``CheckpointError`` (``latest`` and every
+    complete checkpoint are untouched). Other errors are left to the caller."""
+    err = _os_error(e)
+    if err is None:
+        return
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            kept = f"{f.read().strip()} is still the latest checkpoint"
+    except OSError:
+        kept = "no earlier checkpoint"
+    raise CheckpointError(f"{tmp}: checkpoint save failed ({err.strerror or err}); {kept}"
+                          ) from None
+
+
+def checkpoint_bytes(n_params: int, bf16: bool) -> int:
+    """Estimated size of one checkpoint of ``n_params`` parameters: the weights (2 bytes in
+    bf16, else 4), fp32 main weights in bf16 runs, and Adam's two fp32 moments."""
+    return n_params * ((2 + 4) if bf16 else 4) + n_params * 8
+
+
+def check_save_space(save_dir: str, n_params: int, bf16: bool, dp: int = 1) -> int:
+    """Refuse to start when ``save_dir``'s file system cannot hold one more checkpoint.
+
+    Args:
+        save_dir: the ``--save`` folder (need not exist yet).
+        n_params: this rank's parameter count (summed over all ranks here, divided by
+            the data-parallel size: replicas save one copy).
+        bf16: bf16 parameters with fp32 main weights.
+        dp: data-parallel size.
+
+    Returns:
+        The estimated checkpoint size in bytes.
+
+    Raises:
+        CheckpointError: the free space is below the estimate (a collective on all ranks).
+    """
+    total = torch.tensor([float(n_params)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if torch.cuda.is_available():
+            total = total.cuda()
+        dist.all_reduce(total)
+        total /= dp
+    need = checkpoint_bytes(int(total.item()), bf16)
+    where = os.path.abspath(save_dir)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = faults.disk_free_override()
+    if free is None:
+        free = shutil.disk_usage(where).free
+    if free < need:
+        raise CheckpointError(
+            f"--save {save_dir}: {free / 2**30:.2f} GiB free on its file system, one checkpoint "
+            f"needs about {need / 2**30:.2f} GiB ({int(total.item())} parameters: weights, "
+            f"fp32 main weights and Adam moments)")
+    return need
+
+
+def _write_durably(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_rank0() -> bool:
@@ -139,14 +232,14 @@ def _finalize_save(save_dir: str, name: str, meta: Dict[str, Any], keep_last: Op
     if _is_rank0():
         final = os.path.join(save_dir, name)
         tmp = final + ".tmp"
-        with open(os.path.join(tmp, META_NAME), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
+        _write_durably(os.path.join(tmp, META_NAME), json.dumps(meta, indent=1, default=str))
+        faults.before_checkpoint_rename(meta["iteration"])
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = os.path.join(save_dir, "latest.tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(name + "\n")
+        _write_durably(latest_tmp, name + "\n")
         os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+        _fsync_dir(save_dir)
         if keep_last is not None:
             prune_checkpoints(save_dir, keep_last)
     _barrier()

@@ -25,8 +25,11 @@ from megatron_lrattn.training.builder import (
     padded_vocab_size,
     wrap_model,
 )
-from megatron_lrattn.training.checkpoint import load_checkpoint
+from megatron_lrattn.training import faults
+from megatron_lrattn.training.checkpoint import check_save_space, load_checkpoint
 from megatron_lrattn.training.checkpointer import Checkpointer
+from megatron_lrattn.training.determinism import enable_deterministic
+from megatron_lrattn.training.numerics import NonFiniteError, check_step
 from megatron_lrattn.training.runtime import Runtime, init_runtime, provenance
 from megatron_lrattn.training.trackers import with_trackers
 
@@ -58,6 +61,7 @@ def _batches(dataset, start_sample: int, mbs: int, dp_rank: int, dp: int) -> Ite
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     mask = loss_mask.view(-1).float()
     loss = (output_tensor.float().view(-1) * mask).sum() / mask.sum().clamp(min=1)
+    loss = faults.poison_loss(loss)
     # The schedule divides the returned loss in place: report a copy.
     return loss, {"lm loss": loss.detach().clone()}
 
@@ -127,11 +131,14 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             f"{args.seq_length} is not divisible by --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size}"
         )
+    if args.deterministic:
+        enable_deterministic()
     rt = runtime or init_runtime(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seed,
                                  vp=_virtual_stages(args))
     bf16 = args.bf16 if args.bf16 is not None else torch.cuda.is_available()
     config = build_config(args, bf16)
+    config.deterministic_mode = bool(args.deterministic)
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     if gbs % (mbs * rt.dp):
         raise ArgumentError(
@@ -170,6 +177,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     models = [wrap_model(m, config, args.use_distributed_optimizer) for m in chunks]
     config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     optimizer, scheduler = build_optimizer(models, config, args)
+    if args.save:
+        check_save_space(args.save, n_params, bf16, rt.dp)
 
     iteration, consumed = 0, 0
     if args.load:
@@ -230,19 +239,32 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         for m in models:
             m.zero_grad_buffer()
         optimizer.zero_grad()
+        faults.set_iteration(iteration + 1)
         losses = fwd_bwd(forward_step_func=forward_step, data_iterator=train_iter,
                          model=models, forward_only=False, **step_kwargs)
-        ok, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=1)
+        faults.poison_grads(models)
+        loss = _reduce_loss(losses)
+        try:
+            nonfinite = check_step(loss, models, iteration + 1, args.on_nonfinite)
+        except NonFiniteError:
+            checkpointer.close()
+            metrics.close()
+            raise
+        if nonfinite is None:
+            ok, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+        else:
+            # Skipped: optimizer, parameters and LR schedule stay as they were.
+            ok, grad_norm = False, None
+            logger.warning("iteration %d skipped: %s", iteration + 1, nonfinite)
         iteration += 1
         consumed += gbs
-        loss = _reduce_loss(losses)
         dt = time.perf_counter() - t0
         lr = optimizer.param_groups[0]["lr"]
         record = {"type": "train", "iteration": iteration, "loss": loss,
                   "grad_norm": None if grad_norm is None else float(grad_norm), "lr": lr,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "consumed_samples": consumed, "skipped": not ok,
+                  "consumed_samples": consumed, "skipped": not ok, "nonfinite": nonfinite,
                   "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
                                       if torch.cuda.is_available() else None)}
         metrics.write(record)

@@ -1,0 +1,114 @@
+"""Non-finite loss and gradient detection before the optimizer step (``--on-nonfinite``).
+
+After forward-backward (gradients reduced across data-parallel ranks) and before
+``optimizer.step()``, every rank sums its contiguous gradient buffers (one pass over the
+gradients, no copy: a sum is finite only when every element is) and all ranks agree with
+one small all-reduce. The loss, already reduced and broadcast, is checked as well. On a
+non-finite value the loop either skips the step (the optimizer's step, its moments and
+step counts, the parameters and the LR schedule are not touched) or stops with
+:class:`NonFiniteError`, which names the iteration and the first parameter whose gradient
+holds a non-finite value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+ON_NONFINITE = ("stop", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a non-finite loss or gradient under ``--on-nonfinite stop``."""
+
+
+def _grad_tensors(model) -> List[torch.Tensor]:
+    buffers = list(getattr(model, "buffers", []) or []) + list(
+        getattr(model, "expert_parallel_buffers", []) or [])
+    grads = [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
+    if grads:
+        return grads
+    out = []
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            out.append(g)
+    return out
+
+
+def grads_finite(models) -> bool:
+    """True when every gradient of every rank is finite (a collective on all ranks)."""
+    bad = 0.0
+    device = None
+    for model in models:
+        for g in _grad_tensors(model):
+            device = g.device
+            if not torch.isfinite(g.sum(dtype=torch.float32)):
+                bad = 1.0
+                break
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    flag = torch.tensor([bad], device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() == 0)
+
+
+def first_nonfinite_grad(models) -> Optional[str]:
+    """Name of the first parameter (model order; chunk prefix with several model chunks)
+    whose gradient has a non-finite element, over all ranks; None if all are finite.
+    A collective on all ranks (only called once something was found)."""
+    local = None
+    for i, model in enumerate(models):
+        module = getattr(model, "module", model)
+        for name, p in module.named_parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None and not bool(torch.isfinite(g).all()):
+                local = name if len(models) == 1 else f"model{i}.{name}"
+                break
+        if local is not None:
+            break
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, local)
+    return next((n for n in names if n is not None), None)
+
+
+def check_step(loss: float, models, iteration: int, policy: str) -> Optional[str]:
+    """Check the loss and gradients of ``iteration`` before the optimizer step.
+
+    Args:
+        loss: the iteration's reduced loss (the same on every rank).
+        models: the DDP-wrapped model chunks.
+        iteration: 1-based number of the iteration being computed.
+        policy: ``stop`` or ``skip``.
+
+    Returns:
+        None when everything is finite; otherwise (policy ``skip``) a short description of
+        what was non-finite, and the caller must not step the optimizer.
+
+    Raises:
+        NonFiniteError: policy ``stop`` and something is non-finite; the message names the
+            iteration and the first non-finite tensor.
+    """
+    if policy not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite {policy!r}: use one of {ON_NONFINITE}")
+    loss_ok = math.isfinite(loss)
+    if grads_finite(models) and loss_ok:
+        return None
+    name = first_nonfinite_grad(models)
+    parts = [] if loss_ok else [f"loss is {loss}"]
+    parts.append(f"first non-finite gradient: {name}" if name else "gradients are finite")
+    what = "; ".join(parts)
+    if policy == "stop":
+        raise NonFiniteError(
+            f"non-finite values at iteration {iteration} ({what}); stopping before the "
+            f"optimizer step (--on-nonfinite skip skips such steps instead)"
+        )
+    return what

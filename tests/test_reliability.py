@@ -1,0 +1,285 @@
+"""Failure modes of ``lrattn-pretrain``, provoked on purpose (single-process CPU runs).
+
+Faults are injected through ``LRATTN_FAULT`` (``megatron_lrattn/training/faults.py``): a
+SIGKILL between a complete ``iter_N.tmp`` and its rename, a disk that fills up during a
+save, a reported free space too small for a checkpoint, inf/nan in the loss or a gradient.
+The runs of one wave start together (they are short: most time is importing megatron-core).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SMALL = [
+    "--seq-length", "32", "--hidden-size", "64", "--num-layers", "2", "--num-blocks", "4",
+    "--ffn-hidden-size", "128", "--global-batch-size", "4", "--micro-batch-size", "2",
+    "--eval-interval", "100", "--eval-iters", "1", "--lr-warmup-iters", "1", "--no-progress",
+]
+
+
+def _start(args, cache_dir, cwd, fault=None):
+    """Start a run in its own process group, output to files (a SIGKILLed run can leave
+    megatron's spawned checkpoint-writer helpers behind, holding inherited pipes)."""
+    env = dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore",
+               OMP_NUM_THREADS="1")
+    env.pop("LRATTN_FAULT", None)
+    if fault:
+        env["LRATTN_FAULT"] = fault
+    n = len(list(Path(cwd).glob("*.out")))
+    out, err = open(Path(cwd) / f"{n}.out", "w+"), open(Path(cwd) / f"{n}.err", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_lrattn.cli.pretrain", *SMALL, *args, "--cache-dir",
+         str(cache_dir)],
+        cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+    proc.files = (out, err)
+    return proc
+
+
+def _finish(proc, timeout=300):
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        # What a scheduler does after a crash: nothing of the job's process group survives.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    texts = []
+    for f in proc.files:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return proc.returncode, texts[0], texts[1]
+
+
+def _train(path: Path):
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["iteration"]: r for r in recs if r["type"] == "train"}
+
+
+def _last_line(err: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    return err.strip().splitlines()[-1]
+
+
+def _tree_digest(root: Path):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _dcp_tensors(ckpt: Path, out: Path):
+    """Every tensor of a torch_dist checkpoint (model and optimizer), read without megatron."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("lrattn_cache")
+    from megatron_lrattn.data.default_corpus import ensure_default_data
+
+    ensure_default_data(cache_dir=str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    """Wave 1: a run SIGKILLed inside its final save, an identical clean run, a save that
+    hits ENOSPC, non-finite stop and skip. Wave 2: resume of the killed run, a start
+    refused for lack of space on top of an existing checkpoint, an unwritable --save."""
+    w = tmp_path_factory.mktemp("reliability")
+    det = ["--deterministic", "--train-iters", "4"]
+    wave1 = {
+        "kill": _start([*det, "--save", str(w / "kill"), "--save-interval", "2",
+                        "--log-json", str(w / "kill.jsonl")], cache_dir, w,
+                       fault="kill_before_rename@4"),
+        "clean": _start([*det, "--log-json", str(w / "clean.jsonl")], cache_dir, w),
+        "enospc": _start(["--train-iters", "3", "--save", str(w / "enospc"), "--save-interval",
+                          "1", "--log-json", str(w / "enospc.jsonl")], cache_dir, w,
+                         fault="enospc_during_save@2"),
+        "stop": _start(["--train-iters", "3", "--save", str(w / "stop"), "--save-interval", "1",
+                        "--log-json", str(w / "stop.jsonl")], cache_dir, w, fault="inf_grad@2"),
+        "skip": _start(["--train-iters", "3", "--on-nonfinite", "skip", "--save", str(w / "skip"),
+                        "--save-interval", "1", "--log-json", str(w / "skip.jsonl")], cache_dir,
+                       w, fault="nan_loss@2"),
+    }
+    res = {k: _finish(p) for k, p in wave1.items()}
+    res["kill_latest"] = (w / "kill" / "latest").read_text().strip()
+    res["kill_left"] = sorted(p.name for p in (w / "kill").iterdir())
+    res["kill_tmp_meta"] = (w / "kill" / "iter_0000004.tmp" / "lrattn.json").is_file()
+    res["enospc_tree"] = _tree_digest(w / "enospc")
+    wave2 = {
+        "resume": _start(["--deterministic", "--train-iters", "4", "--load", str(w / "kill"),
+                          "--save", str(w / "kill"), "--log-json", str(w / "resume.jsonl")],
+                         cache_dir, w),
+        "nospace": _start(["--train-iters", "3", "--load", str(w / "enospc"), "--save",
+                           str(w / "enospc"), "--log-json", str(w / "nospace.jsonl")],
+                          cache_dir, w, fault="disk_free=1000"),
+        "unwritable": _start(["--train-iters", "2", "--save", "/sys/lrattn_ckpt"], cache_dir, w),
+    }
+    res.update({k: _finish(p) for k, p in wave2.items()})
+    res["work"] = w
+    return res
+
+
+def test_sigkill_during_save_keeps_the_previous_checkpoint_and_resumes(runs):
+    w = runs["work"]
+    rc, _, err = runs["kill"]
+    assert rc == -9, err[-3000:]
+    rc, _, err = runs["resume"]
+    assert rc == 0, err[-3000:]
+    assert "Traceback" not in err
+    killed, resumed = _train(w / "kill.jsonl"), _train(w / "resume.jsonl")
+    assert sorted(killed) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert [resumed[i]["loss"] for i in (3, 4)] == [killed[i]["loss"] for i in (3, 4)]
+    assert (w / "kill" / "latest").read_text().strip() == "iter_0000004"
+    assert not list((w / "kill").glob("*.tmp"))
+
+
+def test_sigkill_leaves_latest_on_the_previous_complete_checkpoint(runs):
+    # Killed after iter_0000004.tmp was complete, before its rename (recorded before the
+    # resume touched anything): `latest` names the previous checkpoint.
+    assert runs["kill"][0] == -9
+    assert runs["kill_tmp_meta"]
+    assert runs["kill_latest"] == "iter_0000002"
+    assert runs["kill_left"] == ["iter_0000002", "iter_0000004.tmp", "latest"]
+
+
+def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(runs):
+    w = runs["work"]
+    rc, _, err = runs["enospc"]
+    assert rc == 2, err[-3000:]
+    last = _last_line(err)
+    assert last.startswith("lrattn-pretrain: error: ") and "iter_0000002.tmp" in last, last
+    assert "No space left on device" in last and "iter_0000001 is still the latest" in last
+    assert (w / "enospc" / "latest").read_text().strip() == "iter_0000001"
+    assert sorted(p.name for p in (w / "enospc").iterdir()
+                  if p.name.startswith("iter_")) == ["iter_0000001"]
+
+
+def test_too_little_space_is_refused_before_training_and_touches_nothing(runs):
+    w = runs["work"]
+    rc, _, err = runs["nospace"]
+    assert rc == 2, err[-3000:]
+    last = _last_line(err)
+    assert "GiB free on its file system, one checkpoint needs about" in last, last
+    assert not (w / "nospace.jsonl").exists()
+    assert _tree_digest(w / "enospc") == runs["enospc_tree"]
+
+
+def test_unwritable_save_dir_is_refused_at_startup(runs):
+    rc, _, err = runs["unwritable"]
+    assert rc == 2, err[-3000:]
+    last = _last_line(err)
+    assert last.startswith("lrattn-pretrain: error: --save: /sys is not writable"), last
+
+
+def test_nonfinite_gradient_stops_naming_iteration_and_tensor(runs):
+    w = runs["work"]
+    rc, _, err = runs["stop"]
+    assert rc == 3, err[-3000:]
+    last = _last_line(err)
+    assert last.startswith("lrattn-pretrain: error: non-finite values at iteration 2"), last
+    assert "first non-finite gradient: embedding.word_embeddings.weight" in last
+    assert sorted(_train(w / "stop.jsonl")) == [1]
+    assert (w / "stop" / "latest").read_text().strip() == "iter_0000001"
+    assert not (w / "stop" / "iter_0000002").exists()
+
+
+def test_nonfinite_loss_skip_leaves_optimizer_and_weights_untouched(runs, tmp_path):
+    w = runs["work"]
+    rc, _, err = runs["skip"]
+    assert rc == 0, err[-3000:]
+    train = _train(w / "skip.jsonl")
+    assert train[2]["skipped"] and "loss is nan" in train[2]["nonfinite"]
+    assert not train[1]["skipped"] and not train[3]["skipped"]
+    assert np.isfinite(train[3]["loss"])
+    # The checkpoints before and after the skipped step are equal tensor for tensor
+    # (weights, Adam moments), with the same step count and LR-schedule position.
+    before = _dcp_tensors(w / "skip" / "iter_0000001", tmp_path / "1.pt")
+    after = _dcp_tensors(w / "skip" / "iter_0000002", tmp_path / "2.pt")
+    later = _dcp_tensors(w / "skip" / "iter_0000003", tmp_path / "3.pt")
+    assert any(k.startswith("optimizer.state.exp_avg") for k in before)
+    assert before.keys() == after.keys()
+    assert all((before[k] == after[k]).all() for k in before)
+    assert any(not (before[k] == later[k]).all() for k in before)
+    import torch
+
+    common = [torch.load(w / "skip" / f"iter_000000{i}" / "common.pt", weights_only=False)
+              for i in (1, 2)]
+    assert common[0]["optimizer"]["state"] == common[1]["optimizer"]["state"]
+    meta = [json.loads((w / "skip" / f"iter_000000{i}" / "lrattn.json").read_text())
+            for i in (1, 2)]
+    assert meta[0]["scheduler"] == meta[1]["scheduler"]
+
+
+def test_deterministic_runs_give_bit_identical_losses(runs):
+    w = runs["work"]
+    assert runs["clean"][0] == 0, runs["clean"][2][-3000:]
+    a, b = _train(w / "kill.jsonl"), _train(w / "clean.jsonl")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for i in a:
+        assert (a[i]["loss"], a[i]["grad_norm"]) == (b[i]["loss"], b[i]["grad_norm"]), i
+
+
+def _write_idx(prefix, docs, dtype):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    for doc in docs:
+        builder.add_document(np.asarray(doc, dtype=dtype), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+def test_empty_dataset_and_float_tokens_are_one_line_errors(tmp_path):
+    from megatron_lrattn.data.datasets import check_indexed_dataset
+    from megatron_lrattn.data.errors import DataError
+
+    empty = _write_idx(tmp_path / "empty", [], np.uint16)
+    with pytest.raises(DataError, match=r"empty\.bin: empty dataset"):
+        check_indexed_dataset(empty)
+    floats = _write_idx(tmp_path / "floats", [[1.0, 2.0, 3.0]] * 4, np.float32)
+    with pytest.raises(DataError, match=r"floats\.idx: token dtype float32 is not an integer"):
+        check_indexed_dataset(floats)
+
+
+def test_save_space_estimate_and_refusal(tmp_path, monkeypatch):
+    import shutil
+
+    from megatron_lrattn.training.checkpoint import (CheckpointError, check_save_space,
+                                                     checkpoint_bytes)
+
+    assert checkpoint_bytes(10, bf16=False) == 120
+    assert checkpoint_bytes(10, bf16=True) == 140
+    target = tmp_path / "not" / "yet" / "there"
+    assert check_save_space(str(target), 1000, bf16=False) == 12000
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=11999))
+    with pytest.raises(CheckpointError, match="one checkpoint needs about"):
+        check_save_space(str(target), 1000, bf16=False)
+    assert not (tmp_path / "not").exists()
+
+
+def test_save_path_that_is_a_file_is_refused(tmp_path):
+    from megatron_lrattn.training.arguments import ArgumentError, parse_args
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ArgumentError, match="exists and is not a directory"):
+        parse_args(["--save", str(blocker)])
+    with pytest.raises(ArgumentError, match="is not a directory"):
+        parse_args(["--save", str(blocker / "ckpt")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
