@@ -283,3 +283,21 @@ def test_save_path_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(ArgumentError, match="is not a directory"):
         parse_args(["--save", str(blocker / "ckpt")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_nonfinite_check_on_a_plain_module():
+    import torch
+
+    from megatron_lrattn.training.numerics import (NonFiniteError, check_step,
+                                                   first_nonfinite_grad, grads_finite)
+
+    m = torch.nn.Linear(3, 2)
+    m(torch.ones(1, 3)).sum().backward()
+    assert grads_finite([m]) and first_nonfinite_grad([m]) is None
+    assert check_step(1.0, [m], 5, "stop") is None
+    m.bias.grad[0] = float("nan")
+    assert not grads_finite([m])
+    assert check_step(1.0, [m], 5, "skip") == "first non-finite gradient: bias"
+    with pytest.raises(NonFiniteError, match=r"iteration 5 \(loss is inf; first non-finite "
+                                             r"gradient: bias\)"):
+        check_step(float("inf"), [m], 5, "stop")

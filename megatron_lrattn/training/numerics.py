@@ -26,8 +26,11 @@ class NonFiniteError(RuntimeError):
 
 
 def _grad_tensors(model) -> List[torch.Tensor]:
-    buffers = list(getattr(model, "buffers", []) or []) + list(
-        getattr(model, "expert_parallel_buffers", []) or [])
+    # megatron's DDP keeps its gradient buffers in lists (``buffers`` shadows the
+    # nn.Module method); any other module falls back to per-parameter gradients.
+    buffers = [b for name in ("buffers", "expert_parallel_buffers")
+               if isinstance(getattr(model, name, None), (list, tuple))
+               for b in getattr(model, name)]
     grads = [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
     if grads:
         return grads
