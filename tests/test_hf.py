@@ -1,8 +1,8 @@
 """Hugging Face export/import: logits parity with Megatron, bitwise round trip, KV-cache
 generation, loading without megatron, and one-line errors.
 
-One short ``lrattn-pretrain`` run per residual mode (projected keys under torchrun at
-TP2 x PP2, the others single-process), all started together; every later check reuses them.
+One short ``lrattn-pretrain`` run per residual mode and key type, each under torchrun at
+TP2 x PP2, all started together; every later check reuses them.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ BASE = [
 ]
 MODES = {
     # name: (flags, tensor x pipeline parallel)
-    "standard": (["--residual", "standard", "--no-disable-bias-linear"], (1, 1)),
+    "standard": (["--residual", "standard", "--no-disable-bias-linear"], (2, 2)),
     "attnres": (["--residual", "attnres", "--num-blocks", "3",
-                 "--no-untie-embeddings-and-output-weights"], (1, 1)),
+                 "--no-untie-embeddings-and-output-weights"], (2, 2)),
     "sliced": (["--residual", "lr_attnres", "--key", "sliced", "--rank", "16", "--num-blocks", "8",
-                "--qk-layernorm"], (1, 1)),
+                "--qk-layernorm"], (2, 2)),
     "projected": (["--residual", "lr_attnres", "--key", "projected", "--rank", "16",
                    "--num-blocks", "3"], (2, 2)),
 }
