@@ -1,13 +1,9 @@
 """Shared test helpers: a single-process gloo model-parallel setup and tiny model builders."""
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
-from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed.*")
@@ -17,37 +13,7 @@ SEQ = 16
 BATCH = 2
 
 
-@contextmanager
-def model_parallel_1x1():
-    """CPU compat layer, a one-process gloo group and TP=PP=1 model-parallel groups.
-
-    Creates what does not exist yet and tears down only what it created.
-    """
-    from megatron.core import parallel_state
-
-    from megatron_lrattn.compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    made_pg = made_mp = False
-    store = None
-    if not dist.is_initialized():
-        fd, store = tempfile.mkstemp(prefix="lrattn_gloo_")
-        os.close(fd)
-        os.unlink(store)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        made_pg = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-        made_mp = True
-    try:
-        yield
-    finally:
-        if made_mp:
-            parallel_state.destroy_model_parallel()
-        if made_pg:
-            dist.destroy_process_group()
-            if store and os.path.exists(store):
-                os.unlink(store)
+from megatron_lrattn.training.runtime import single_process_model_parallel as model_parallel_1x1  # noqa: E402,F401
 
 
 def seed_all(seed: int) -> None:

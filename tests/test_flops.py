@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
-from contextlib import contextmanager
 
 import pytest
 
@@ -116,34 +113,7 @@ def test_mode_names_match_the_config():
     assert flops.KEY_TYPES == config.KEY_TYPES
 
 
-@contextmanager
-def _model_parallel_1x1():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_lrattn.compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    made_pg = made_mp = False
-    store = None
-    if not dist.is_initialized():
-        fd, store = tempfile.mkstemp(prefix="lrattn_gloo_")
-        os.close(fd)
-        os.unlink(store)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        made_pg = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-        made_mp = True
-    try:
-        yield
-    finally:
-        if made_mp:
-            parallel_state.destroy_model_parallel()
-        if made_pg:
-            dist.destroy_process_group()
-            if store and os.path.exists(store):
-                os.unlink(store)
+from megatron_lrattn.training.runtime import single_process_model_parallel as _model_parallel_1x1  # noqa: E402,E501
 
 
 BUILT = [

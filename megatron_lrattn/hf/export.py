@@ -70,10 +70,10 @@ def megatron_checkpoint_to_hf(checkpoint: str, out_dir: str, max_shard_size="5GB
         hf_config_from_meta,
         load_megatron,
         resolve_checkpoint,
-        single_process_model_parallel,
         tokenizer_dir,
     )
     from megatron_lrattn.training.checkpoint import read_meta
+    from megatron_lrattn.training.runtime import single_process_model_parallel
 
     path = resolve_checkpoint(checkpoint)
     meta = read_meta(path)
@@ -141,9 +141,9 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     from megatron_lrattn.hf.megatron_io import (
         megatron_args_from_hf,
         save_megatron,
-        single_process_model_parallel,
     )
     from megatron_lrattn.training.builder import padded_vocab_size
+    from megatron_lrattn.training.runtime import single_process_model_parallel
 
     config, hf_sd = read_hf_folder(hf_dir)
     msd = hf_to_megatron(hf_sd, config, padded_vocab_size(config.vocab_size, tp))

@@ -10,11 +10,9 @@ the layout recorded in ``lrattn.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import tempfile
 from typing import Any, Dict, Tuple
 
 import torch
@@ -98,41 +96,6 @@ def hf_config_from_meta(meta: Dict[str, Any], vocab_size: int, eod: int) -> LRAt
         )
     except KeyError as e:
         raise CheckpointError(f"{META_NAME}: missing field {e}") from None
-
-
-@contextlib.contextmanager
-def single_process_model_parallel():
-    """A one-process gloo group with TP = PP = 1 (reuses an existing one)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_lrattn.compat import apply_cpu_compat
-
-    if not torch.cuda.is_available():
-        apply_cpu_compat()
-    made_pg = made_mp = False
-    store = None
-    if not dist.is_initialized():
-        fd, store = tempfile.mkstemp(prefix="lrattn_convert_")
-        os.close(fd)
-        os.unlink(store)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-        made_pg = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-        made_mp = True
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)  # megatron's attention forks this RNG state
-    try:
-        yield
-    finally:
-        if made_mp:
-            parallel_state.destroy_model_parallel()
-        if made_pg:
-            dist.destroy_process_group()
-            if store and os.path.exists(store):
-                os.unlink(store)
 
 
 def _build_tp1(args: argparse.Namespace, vocab_padded: int, bf16: bool):

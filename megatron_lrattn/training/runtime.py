@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
 import socket
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -83,6 +85,42 @@ def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None) -> Runti
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return Runtime(device=device, rank=dist.get_rank(), world_size=world, tp=tp, pp=pp,
                    dp=world // (tp * pp))
+
+
+@contextlib.contextmanager
+def single_process_model_parallel():
+    """A one-process gloo group with TP = PP = 1, for tools and tests that build a model in
+    the current process (the CPU compatibility layer is applied when CUDA is absent).
+
+    Creates only what does not exist yet and tears down only what it created.
+    """
+    from megatron.core import parallel_state
+
+    if not torch.cuda.is_available():
+        apply_cpu_compat()
+    made_pg = made_mp = False
+    store = None
+    if not dist.is_initialized():
+        fd, store = tempfile.mkstemp(prefix="lrattn_gloo_")
+        os.close(fd)
+        os.unlink(store)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        made_pg = True
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+        made_mp = True
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)  # megatron's attention forks this RNG state
+    try:
+        yield
+    finally:
+        if made_mp:
+            parallel_state.destroy_model_parallel()
+        if made_pg:
+            dist.destroy_process_group()
+            if store and os.path.exists(store):
+                os.unlink(store)
 
 
 def shutdown_runtime() -> None:
