@@ -35,7 +35,7 @@ BASE = [
 ]
 VOCAB, SEQ, MBS, NUM_MICRO, SEED = 256, 32, 2, 4, 1234
 LOSS_RTOL = 1e-6
-GRAD_RTOL = 1e-5  # relative RMS error of each gradient tensor
+GRAD_RTOL = 1e-6  # relative RMS error of each gradient tensor (measured <= 8.2e-7)
 
 
 def _free_port() -> int:
@@ -243,6 +243,7 @@ def test_tp2xpp2_matches_tp1pp1(tmp_path):
     """TP=2 x PP=2 on four processes."""
     layouts = [(2, 2)]
     reports = _spawn(4, layouts, tmp_path)
+    print(json.dumps(reports, indent=1))
     _check(reports, layouts)
 
 
