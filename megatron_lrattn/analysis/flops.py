@@ -116,6 +116,28 @@ class ModelShape:
     rank: Optional[int] = None
     num_blocks: int = 8
 
+    @classmethod
+    def from_args(cls, args, vocab_size: int) -> "ModelShape":
+        """The shape described by ``lrattn-pretrain``-style arguments (a namespace with
+        ``num_layers``, ``hidden_size``, ..., ``residual``, ``key``, ``rank``, ``num_blocks``)."""
+        return cls(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            ffn_hidden_size=args.ffn_hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups,
+            seq_length=args.seq_length,
+            vocab_size=vocab_size,
+            swiglu=bool(args.swiglu),
+            untied=bool(args.untie_embeddings_and_output_weights),
+            qk_layernorm=bool(args.qk_layernorm),
+            add_bias_linear=not args.disable_bias_linear,
+            residual=args.residual,
+            key=args.key,
+            rank=args.rank,
+            num_blocks=args.num_blocks,
+        )
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "seq_length", "vocab_size"):

@@ -87,23 +87,7 @@ def parse_shape(argv: Optional[Sequence[str]] = None) -> tuple:
     args = parser.parse_args(argv)
     if args.bytes_per_elem < 1:
         raise FlopsArgumentError(f"--bytes-per-elem {args.bytes_per_elem} must be >= 1")
-    shape = ModelShape(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        swiglu=bool(args.swiglu),
-        untied=bool(args.untie_embeddings_and_output_weights),
-        qk_layernorm=bool(args.qk_layernorm),
-        add_bias_linear=not args.disable_bias_linear,
-        residual=args.residual,
-        key=args.key,
-        rank=args.rank,
-        num_blocks=args.num_blocks,
-    )
+    shape = ModelShape.from_args(args, args.vocab_size)
     return shape, args.bytes_per_elem, args.json
 
 

@@ -83,23 +83,7 @@ def arm_args(args: argparse.Namespace, arm: Arm) -> argparse.Namespace:
 
 def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
     """The ``ModelShape`` of an arm's arguments (from ``arm_args``)."""
-    return ModelShape(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length,
-        vocab_size=vocab_size,
-        swiglu=bool(args.swiglu),
-        untied=bool(args.untie_embeddings_and_output_weights),
-        qk_layernorm=bool(args.qk_layernorm),
-        add_bias_linear=not args.disable_bias_linear,
-        residual=args.residual,
-        key=args.key,
-        rank=args.rank,
-        num_blocks=args.num_blocks,
-    )
+    return ModelShape.from_args(args, vocab_size)
 
 
 def flops_per_token(shape: ModelShape) -> Dict[str, int]:
