@@ -204,6 +204,7 @@ def test_nonfinite_loss_skip_leaves_optimizer_and_weights_untouched(runs, tmp_pa
     assert rc == 0, err[-3000:]
     train = _train(w / "skip.jsonl")
     assert train[2]["skipped"] and "loss is nan" in train[2]["nonfinite"]
+    assert train[2]["loss"] is None  # strict JSON: the non-finite loss is written as null
     assert not train[1]["skipped"] and not train[3]["skipped"]
     assert np.isfinite(train[3]["loss"])
     # The checkpoints before and after the skipped step are equal tensor for tensor

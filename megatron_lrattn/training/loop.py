@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -102,9 +103,12 @@ class MetricsWriter:
             self.f = open(path, "a" if resume else "w")
 
     def write(self, record: Dict) -> None:
-        """Append one record."""
+        """Append one record; non-finite numbers (a skipped step's loss) are written as
+        null so that every line stays strict JSON."""
         if self.f:
-            self.f.write(json.dumps(record) + "\n")
+            clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                     for k, v in record.items()}
+            self.f.write(json.dumps(clean, allow_nan=False) + "\n")
             self.f.flush()
 
     def close(self) -> None:
