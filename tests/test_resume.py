@@ -138,7 +138,7 @@ def test_sigkilled_run_resumes_with_identical_losses(runs):
 
 def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(runs):
     work = runs["work"]
-    assert "exit signal received: saving at iteration" in runs["term_err"]
+    assert "exit signal received: saving and exiting at iteration" in runs["term_err"]
     stopped = max(_losses(work / "term.jsonl"))
     assert stopped < ITERS
     meta = json.loads((runs["term_ckpt"] / f"iter_{stopped:07d}" / "lrattn.json").read_text())

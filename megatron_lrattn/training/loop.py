@@ -284,7 +284,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             logger.info("validation loss at iteration %d: %.4f", iteration, last_valid)
         checkpointer.after_iteration(iteration, consumed)
         if checkpointer.exit_requested():
-            logger.info("exit signal received: saving at iteration %d and exiting", iteration)
+            logger.info("exit signal received: %s at iteration %d",
+                        "saving and exiting" if args.save else "exiting (no --save)", iteration)
             break
     if bar is not None:
         bar.close()
