@@ -6,14 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from megatron_lrattn.cli.common import run_cli, setup_logging
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
+from megatron_lrattn.cli.common import positive_int, run_cli, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,9 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Megatron distributed checkpoint (model weights; no optimizer state).")
     p.add_argument("hf_folder")
     p.add_argument("output", help="checkpoint folder to write (gets iter_0000000/ and latest)")
-    p.add_argument("--tensor-model-parallel-size", type=_positive, default=1,
+    p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
                    help="target TP: sets the vocabulary padding and the recorded layout")
-    p.add_argument("--pipeline-model-parallel-size", type=_positive, default=1,
+    p.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1,
                    help="target PP: recorded layout (the stored tensors are layout-free)")
     return p
 

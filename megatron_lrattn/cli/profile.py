@@ -15,7 +15,7 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from megatron_lrattn.cli.common import run_cli, setup_logging
+from megatron_lrattn.cli.common import positive_int, run_cli, setup_logging
 
 PROG = "lrattn-profile"
 
@@ -51,13 +51,6 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
-def _pos_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def _pos_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -77,17 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("profiling")
     g.add_argument("--arms", type=_arm_list, default=list(ARM_NAMES),
                    help=f"comma-separated arms (default: {','.join(ARM_NAMES)})")
-    g.add_argument("--projected-rank", type=_pos_int, default=32,
+    g.add_argument("--projected-rank", type=positive_int, default=32,
                    help="key rank r of the lr_attnres_projected arm (default 32)")
-    g.add_argument("--rounds", type=_pos_int, default=5,
+    g.add_argument("--rounds", type=positive_int, default=5,
                    help="rounds of alternating arms (default 5)")
-    g.add_argument("--steps-per-round", type=_pos_int, default=3,
+    g.add_argument("--steps-per-round", type=positive_int, default=3,
                    help="timed steps per arm per round (default 3)")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=2,
                    help="untimed steps per arm after its first (build) step (default 2)")
     g.add_argument("--peak-tflops", type=_pos_float, default=989.0,
                    help="dense bf16 peak per GPU for MFU (default 989: H100/H200 SXM)")
-    g.add_argument("--vocab-size", type=_pos_int, default=4096,
+    g.add_argument("--vocab-size", type=positive_int, default=4096,
                    help="synthetic vocabulary before padding (default 4096, the embedded "
                         "corpus tokenizer's)")
     g.add_argument("--sequential", action="store_true",

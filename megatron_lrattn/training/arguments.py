@@ -11,19 +11,13 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_lrattn.cli.common import positive_int
 from megatron_lrattn.config import DEPTH_BACKENDS, KEY_TYPES, RESIDUAL_MODES
 from megatron_lrattn.training.presets import PRESETS
 
 
 class ArgumentError(ValueError):
     """A bad command-line value; the message names the flag and what is allowed."""
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,13 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. examples/presets/1b.yaml); explicit flags win over it")
 
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=_positive_int)
-    g.add_argument("--hidden-size", type=_positive_int)
-    g.add_argument("--ffn-hidden-size", type=_positive_int)
-    g.add_argument("--num-attention-heads", type=_positive_int)
-    g.add_argument("--num-query-groups", type=_positive_int, default=None)
-    g.add_argument("--seq-length", type=_positive_int)
-    g.add_argument("--max-position-embeddings", type=_positive_int, default=None)
+    g.add_argument("--num-layers", type=positive_int)
+    g.add_argument("--hidden-size", type=positive_int)
+    g.add_argument("--ffn-hidden-size", type=positive_int)
+    g.add_argument("--num-attention-heads", type=positive_int)
+    g.add_argument("--num-query-groups", type=positive_int, default=None)
+    g.add_argument("--seq-length", type=positive_int)
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None)
     g.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--swiglu", action=argparse.BooleanOptionalAction)
     g.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=False)
@@ -67,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth-backend", choices=DEPTH_BACKENDS, default="auto")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=_positive_int)
-    g.add_argument("--global-batch-size", type=_positive_int)
-    g.add_argument("--train-iters", type=_positive_int)
+    g.add_argument("--micro-batch-size", type=positive_int)
+    g.add_argument("--global-batch-size", type=positive_int)
+    g.add_argument("--train-iters", type=positive_int)
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float)
     g.add_argument("--lr-warmup-iters", type=int)
@@ -90,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 parameters with fp32 main weights (default: on with CUDA)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int)
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int)
+    g.add_argument("--tensor-model-parallel-size", type=positive_int)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None,
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None,
                    help="interleaved pipeline: layers per model chunk (V = L / (P x this))")
 
     g = p.add_argument_group("data")
@@ -107,15 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache for the embedded corpus and dataset indices")
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
-    g.add_argument("--log-interval", type=_positive_int)
-    g.add_argument("--eval-interval", type=_positive_int)
-    g.add_argument("--eval-iters", type=_positive_int)
+    g.add_argument("--log-interval", type=positive_int)
+    g.add_argument("--eval-interval", type=positive_int)
+    g.add_argument("--eval-iters", type=positive_int)
     g.add_argument("--log-json", default=None, help="JSON-lines metrics file")
     g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--no-progress", action="store_true", help="disable the progress bar")
-    g.add_argument("--keep-last", type=_positive_int, default=None,
+    g.add_argument("--keep-last", type=positive_int, default=None,
                    help="keep only the newest N complete checkpoints (default: all)")
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
                    help="on SIGTERM save a checkpoint at the end of the current iteration and "
@@ -173,7 +167,7 @@ def _config_value(path: str, key: str, action: argparse.Action, value: Any) -> A
             raise bad("a non-empty list")
         return [str(v) for v in value]
     kind = action.type
-    if kind in (int, _positive_int):
+    if kind in (int, positive_int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad("an integer")
         try:
