@@ -8,10 +8,17 @@ import torch
 from torch import Tensor
 
 from megatron_lrattn.ops.reference import depth_read_naive, depth_read_torch
+from megatron_lrattn.ops.two_phase import (
+    depth_merge_torch,
+    depth_read_multi_naive,
+    depth_read_multi_torch,
+)
 
 BACKENDS = ("auto", "torch", "triton")
 
-__all__ = ["depth_read", "depth_read_naive", "depth_read_torch", "triton_available", "BACKENDS"]
+__all__ = ["depth_read", "depth_read_naive", "depth_read_torch", "depth_read_multi",
+           "depth_read_multi_torch", "depth_read_multi_naive", "depth_merge", "depth_merge_torch",
+           "triton_available", "BACKENDS"]
 
 
 def triton_available() -> bool:
@@ -90,3 +97,90 @@ def depth_read(
 
         return depth_read_triton(values, query, keys, eps=eps, scale=scale)
     return depth_read_torch(values, query, keys, eps=eps, scale=scale)
+
+
+def _resolve(backend: str, like: Tensor, where: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: backend={backend!r}, allowed: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if like.is_cuda and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise RuntimeError(f"{where}: backend='triton' but lrattn_kernels cannot be imported")
+    return backend
+
+
+def depth_read_multi(
+    values: Sequence[Tensor],
+    queries: Tensor,
+    keys: Optional[Sequence[Tensor]] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    backend: str = "auto",
+    split: bool = False,
+):
+    """Phase 1 of the two-phase block schedule: K depth reads over the same S sources.
+
+    Every source is read once for all K queries (the read sites of one depth block against
+    its completed sources). Row k equals ``depth_read(values, queries[k], keys)``.
+
+    Args:
+        values: S tensors [..., d] (embedding and completed blocks), separately allocated.
+        queries: [K, r] queries of the K read sites (fp32).
+        keys: None for sliced keys (last r coordinates of each value) or S tensors [..., r].
+        eps, scale: key RMS epsilon and logit scale tau, as in ``depth_read``.
+        backend: ``torch``, ``triton`` or ``auto``.
+        split: return the outputs as a list of K separately allocated tensors [..., d]
+            (each site's gradient then flows without materialising a [K, ..., d] buffer).
+
+    Returns:
+        (out, lse): out [K, ..., d] in the values' dtype (a list of K tensors when
+        ``split``); lse [K, ...] fp32 log-sum-exp of the scaled logits.
+    """
+    if queries.dim() != 2 or queries.shape[0] == 0:
+        raise ValueError(f"depth_read_multi: queries must be [K, r] with K >= 1, got "
+                         f"{tuple(queries.shape)}")
+    _check(values, queries[0], keys)
+    if _resolve(backend, values[0], "depth_read_multi") == "triton":
+        from lrattn_kernels.depth_read_multi import depth_read_multi_triton
+
+        return depth_read_multi_triton(values, queries, keys, eps=eps, scale=scale, split=split)
+    return depth_read_multi_torch(values, queries, keys, eps=eps, scale=scale, split=split)
+
+
+def depth_merge(
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor,
+    query: Tensor,
+    partial_key: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Phase 2 of the two-phase block schedule: add the partial sum P as one more source.
+
+    ``h = (e^(lse - m) out + e^(l_P - m) P) / (e^(lse - m) + e^(l_P - m))`` with
+    ``l_P = scale <query, RMS(key(P))>`` and ``m = max(lse, l_P)``; with (out, lse) from
+    ``depth_read_multi`` over sources V this equals ``depth_read([*V, P], query)``.
+
+    Args:
+        out: [..., d] phase-1 output of this site.
+        lse: [...] fp32 phase-1 log-sum-exp of this site.
+        partial: [..., d] running partial sum of the block (same dtype as ``out``).
+        query: [r] query of this site.
+        partial_key: None for sliced keys (``partial[..., -r:]``) or [..., r].
+        eps, scale, backend: as in ``depth_read``.
+
+    Returns:
+        Tensor [..., d] in the dtype of ``partial``.
+    """
+    _check([out, partial], query, None if partial_key is None else [partial_key, partial_key])
+    if lse.shape != out.shape[:-1]:
+        raise ValueError(f"depth_merge: lse is {tuple(lse.shape)}, expected {tuple(out.shape[:-1])}")
+    if _resolve(backend, partial, "depth_merge") == "triton":
+        from lrattn_kernels.depth_merge import depth_merge_triton
+
+        return depth_merge_triton(out, lse, partial, query, partial_key, eps=eps, scale=scale)
+    return depth_merge_torch(out, lse, partial, query, partial_key, eps=eps, scale=scale)

@@ -1,0 +1,208 @@
+"""Fused Triton phase 2 of the two-phase block schedule: the online-softmax merge.
+
+    l_P = scale * <q, RMS(key(P))>,  m = max(lse, l_P)
+    h = (e^(lse - m) out + e^(l_P - m) P) / (e^(lse - m) + e^(l_P - m))
+
+per token, for the phase-1 pair (out [T, d], lse [T] fp32) of one read site and the block's
+running partial sum P [T, d] (key: its last r columns, or a projected key [T, r]). One
+program owns ``BT`` tokens times the padded width ``BD``; forward and backward each make one
+pass over ``out`` and ``P``. The backward returns the gradients of ``out``, ``lse`` (fp32),
+``P``, its key and the query (per-program partials reduced in a second step, no atomics).
+Derivation: ``kernels/README.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lrattn_kernels import depth_read as _dr
+from lrattn_kernels.depth_read import _check_envelope, _rows
+
+
+@triton.jit
+def _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr, rows64, rmask, rcols, d, r,
+             eps, scale, PROJECTED: tl.constexpr):
+    # kf: [BT, BR] key of P; rstd, l_P, a_o = e^(lse-m)/sum, a_p = 1 - a_o: [BT]
+    km = rmask[:, None] & (rcols < r)[None, :]
+    if PROJECTED:
+        kf = tl.load(kp_ptr + rows64[:, None] * kp_stride + rcols[None, :], mask=km, other=0.0)
+    else:
+        kf = tl.load(p_ptr + rows64[:, None] * p_stride + (rcols + (d - r))[None, :], mask=km,
+                     other=0.0)
+    kf = kf.to(tl.float32)
+    q = tl.load(q_ptr + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+    l_p = scale * rstd * tl.sum(kf * q[None, :], axis=1)
+    lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
+    m = tl.maximum(lse, l_p)
+    w_o = tl.exp(lse - m)
+    w_p = tl.exp(l_p - m)
+    a_o = w_o / (w_o + w_p)
+    return kf, q, rstd, l_p, a_o, 1.0 - a_o
+
+
+@triton.jit
+def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, h_ptr,
+                T, d, r, eps, scale,
+                PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BD)
+    rcols = tl.arange(0, BR)
+    m2 = rmask[:, None] & (cols < d)[None, :]
+    kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr,
+                                          rows64, rmask, rcols, d, r, eps, scale, PROJECTED)
+    o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+    pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+    h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv.to(tl.float32)
+    tl.store(h_ptr + rows64[:, None] * d + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
+                g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr,
+                T, d, r, eps, scale, n_blocks,
+                PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BD)
+    rcols = tl.arange(0, BR)
+    keycol = (cols >= d - r) & (cols < d)
+    gq = tl.zeros([BR], tl.float32)
+    for tb in range(pid, n_blocks, nprog):
+        rows = tb * BT + tl.arange(0, BT)
+        rmask = rows < T
+        rows64 = rows.to(tl.int64)
+        m2 = rmask[:, None] & (cols < d)[None, :]
+        kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
+                                              lse_ptr, rows64, rmask, rcols, d, r, eps, scale,
+                                              PROJECTED)
+        g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+        g = g.to(tl.float32)
+        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+        pv = pv.to(tl.float32)
+        # two-source softmax: dlse = a_o a_p (<g, out> - <g, P>), dl_P = -dlse
+        dlse = a_o * a_p * (tl.sum(g * o.to(tl.float32), axis=1) - tl.sum(g * pv, axis=1))
+        dl_p = -dlse
+        c = rstd * rstd * l_p / r * dl_p
+        dp = a_p[:, None] * g
+        if PROJECTED:
+            dk = (scale * rstd * dl_p)[:, None] * q[None, :] - kf * c[:, None]
+            tl.store(dkp_ptr + rows64[:, None] * r + rcols[None, :],
+                     dk.to(dkp_ptr.dtype.element_ty), mask=rmask[:, None] & (rcols < r)[None, :])
+        else:
+            qd = tl.load(q_ptr + (cols - (d - r)), mask=keycol, other=0.0).to(tl.float32)
+            dk = (scale * rstd * dl_p)[:, None] * qd[None, :] - pv * c[:, None]
+            dp += tl.where(keycol[None, :], dk, 0.0)
+        tl.store(do_ptr + rows64[:, None] * d + cols[None, :],
+                 (a_o[:, None] * g).to(do_ptr.dtype.element_ty), mask=m2)
+        tl.store(dp_ptr + rows64[:, None] * d + cols[None, :], dp.to(dp_ptr.dtype.element_ty),
+                 mask=m2)
+        tl.store(dlse_ptr + rows64, dlse, mask=rmask)
+        gq += tl.sum((scale * rstd * dl_p)[:, None] * kf, axis=0)
+    tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
+
+
+def _tiles(d: int, r: int, T: int):
+    bd = triton.next_power_of_2(d)
+    br = max(16, triton.next_power_of_2(r))
+    bt = max(1, min(_dr.TUNE.get("merge_tile", 4096) // bd, triton.next_power_of_2(max(T, 1))))
+    warps = _dr.TUNE.get("merge_warps", max(4, min(16, bt * bd // 512)))
+    return bt, bd, br, warps
+
+
+class _DepthMergeTriton(torch.autograd.Function):
+    """Online-softmax merge on flattened [T, d] rows; grads for out, lse, P, key, query."""
+
+    @staticmethod
+    def forward(ctx, query, eps, scale, out, lse, partial, pkey):
+        T, d = partial.shape
+        r = query.shape[0]
+        h = _dr._alloc((T, d), partial.dtype, partial.device)
+        q = query.contiguous()
+        projected = pkey is not None
+        if T:
+            bt, bd, br, warps = _tiles(d, r, T)
+            kp = pkey if projected else partial
+            _fwd_kernel[(triton.cdiv(T, bt),)](
+                out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q, h,
+                T, d, r, eps, scale, PROJECTED=projected, BT=bt, BD=bd, BR=br, num_warps=warps)
+        ctx.save_for_backward(q, out, lse, partial, pkey)
+        ctx.eps, ctx.scale = eps, scale
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        q, out, lse, partial, pkey = ctx.saved_tensors
+        T, d = partial.shape
+        r = q.shape[0]
+        dev = partial.device
+        projected = pkey is not None
+        do = _dr._alloc((T, d), out.dtype, dev)
+        dp = _dr._alloc((T, d), partial.dtype, dev)
+        dlse = _dr._alloc((T,), torch.float32, dev)
+        dkp = _dr._alloc((T, r), pkey.dtype, dev) if projected else None
+        if T == 0:
+            gq = torch.zeros_like(q)
+            return (gq, None, None, do, dlse, dp, dkp)
+        g = _rows(grad_h, d)
+        bt, bd, br, warps = _tiles(d, r, T)
+        n_blocks = triton.cdiv(T, bt)
+        if dev.type == "cuda":
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            nprog = min(n_blocks, sms * _dr.TUNE.get("merge_ctas_per_sm", 4))
+        else:
+            nprog = min(n_blocks, 2)
+        parts = _dr._alloc((nprog, r), torch.float32, dev)
+        kp = pkey if projected else partial
+        _bwd_kernel[(nprog,)](
+            out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q,
+            g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts,
+            T, d, r, ctx.eps, ctx.scale, n_blocks,
+            PROJECTED=projected, BT=bt, BD=bd, BR=br, num_warps=warps)
+        gq = parts.sum(0).to(q.dtype) if ctx.needs_input_grad[0] else None
+        return (gq, None, None, do, dlse, dp, dkp)
+
+
+def depth_merge_triton(
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor,
+    query: Tensor,
+    partial_key: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+) -> Tensor:
+    """Fused phase-2 merge of one site's phase-1 result with the partial sum P.
+
+    Args:
+        out: [..., d] phase-1 output (bf16, fp16 or fp32).
+        lse: [...] phase-1 log-sum-exp (fp32).
+        partial: [..., d] partial sum of the block, dtype of ``out``.
+        query: [r] query of the site.
+        partial_key: None for sliced keys (last r columns of P) or [..., r].
+        eps: epsilon of the key RMS normalisation.
+        scale: logit scale tau.
+
+    Returns:
+        Tensor [..., d] in the dtype of ``partial``.
+
+    Raises:
+        ValueError: outside the envelope of ``depth_read_triton``.
+    """
+    _check_envelope([out, partial], query, None if partial_key is None else [partial_key])
+    shape = partial.shape
+    d, r = shape[-1], query.shape[-1]
+    h = _DepthMergeTriton.apply(
+        query, eps, scale, _rows(out, d), lse.reshape(-1).float().contiguous(), _rows(partial, d),
+        _rows(partial_key, r) if partial_key is not None else None)
+    return h.reshape(shape)
