@@ -293,8 +293,9 @@ def depth_read_multi_triton(
                                           *vs, *ks)
         outs += [o.reshape(shape) for o in res[:-1]] if split else [res[0]]
         lses.append(res[-1])
-    lse = (lses[0] if len(lses) == 1 else torch.cat(lses)).reshape(-1, *shape[:-1])
+    K = queries.shape[0]
+    lse = (lses[0] if len(lses) == 1 else torch.cat(lses)).reshape(K, *shape[:-1])
     if split:
         return outs, lse
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.reshape(-1, *shape), lse
+    return out.reshape(K, *shape), lse

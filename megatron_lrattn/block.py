@@ -8,7 +8,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
-from megatron_lrattn.depth_state import DepthState, rms_normalize
+from megatron_lrattn.depth_state import DepthState, rms_normalize, uses_two_phase
 from megatron_lrattn.layer import DepthQuery
 from megatron_lrattn.pipeline import (
     chunk_ends_from_config,
@@ -156,6 +156,9 @@ class LRAttnResBlock(TransformerBlock):
         if isinstance(hidden_states, WrappedTensor):
             hidden_states = hidden_states.unwrap()
         state = self._start_state(hidden_states)
+        if uses_two_phase(self.config, state.embedding):
+            state.use_two_phase(self.schedule, {int(s): q.weight
+                                                for s, q in self.depth_queries.items()})
         for layer in self.layers:
             first_site = 2 * layer.layer_number - 2
             state = layer(
@@ -175,7 +178,8 @@ class LRAttnResBlock(TransformerBlock):
             else:
                 packed = pack_state(state)
             return make_viewless_tensor(inp=packed, requires_grad=True, keep_graph=True)
-        out = state.read(self._query(self.schedule.num_sites), self.config)
+        out = state.read(self._query(self.schedule.num_sites), self.config,
+                         site=self.schedule.num_sites)
         if self.final_layernorm is not None:
             out = self.final_layernorm(out)
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)

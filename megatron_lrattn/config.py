@@ -11,6 +11,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 RESIDUAL_MODES = ("standard", "attnres", "lr_attnres")
 KEY_TYPES = ("sliced", "projected")
 DEPTH_BACKENDS = ("auto", "torch", "triton")
+DEPTH_SCHEDULES = ("auto", "per_site", "two_phase")
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,15 @@ class LRAttnResConfig(TransformerConfig):
     """Depth-read implementation: ``torch`` (reference), ``triton`` (fused kernels) or
     ``auto`` (fused on CUDA when available, otherwise the reference)."""
 
+    depth_schedule: str = "auto"
+    """How the reads of a depth block are computed: ``per_site`` (one fused read over all
+    sources per site), ``two_phase`` (phase 1 reads the block's completed sources once for
+    all of its read sites on this pipeline chunk and caches (out, lse); each site then
+    merges the running partial sum with an online-softmax step, see
+    ``megatron_lrattn.ops.depth_read_multi`` / ``depth_merge``) or ``auto`` (two_phase on
+    CUDA tensors when the resolved ``depth_backend`` is Triton, per_site otherwise, e.g. on
+    CPU). Both give the same result up to rounding."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.residual not in RESIDUAL_MODES:
@@ -66,6 +76,10 @@ class LRAttnResConfig(TransformerConfig):
             raise _bad("key", self.key, f"one of {', '.join(KEY_TYPES)}")
         if self.depth_backend not in DEPTH_BACKENDS:
             raise _bad("depth_backend", self.depth_backend, f"one of {', '.join(DEPTH_BACKENDS)}")
+        if self.depth_schedule not in DEPTH_SCHEDULES:
+            raise _bad("depth_schedule", self.depth_schedule,
+                       f"one of {', '.join(DEPTH_SCHEDULES)} (two_phase with depth_backend torch "
+                       "runs the reference ops)")
         d = self.hidden_size
         if self.residual == "standard":
             if self.rank is not None:

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from megatron_lrattn.ops import depth_read
+from megatron_lrattn.ops import depth_merge, depth_read, depth_read_multi, triton_available
 
 
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
     """Stateless RMS normalisation over the last dimension, computed in fp32."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def uses_two_phase(config, like: Tensor) -> bool:
+    """Whether reads on ``like``'s device run the two-phase block schedule.
+
+    ``config.depth_schedule``: ``two_phase`` / ``per_site`` force it; ``auto`` picks
+    two_phase for CUDA tensors when the depth backend resolves to the Triton kernels.
+    """
+    mode = getattr(config, "depth_schedule", "per_site")
+    if mode != "auto":
+        return mode == "two_phase"
+    return like.is_cuda and config.depth_backend in ("auto", "triton") and triton_available()
 
 
 @dataclass
@@ -28,6 +40,12 @@ class DepthState:
         embedding_key, block_keys, partial_key: projected keys ([s, b, r]) matching the
             values; all None / empty for sliced keys.
         num_sublayers_done: global index of the last sub-layer whose output was added.
+
+    With ``use_two_phase`` the reads of a depth block are split: the first read of the
+    block on this chunk runs phase 1 (``depth_read_multi``) over the completed sources for
+    all of the block's read sites this chunk owns and caches (out_k, lse_k) per site; each
+    site then returns its phase-1 output (no partial sum yet) or merges the partial sum
+    into it (``depth_merge``).
     """
 
     embedding: Tensor
@@ -37,6 +55,22 @@ class DepthState:
     partial: Optional[Tensor] = None
     partial_key: Optional[Tensor] = None
     num_sublayers_done: int = 0
+    _schedule: Optional[object] = field(default=None, repr=False)
+    _queries: Mapping[int, Tensor] = field(default_factory=dict, repr=False)
+    _phase1: Dict[int, Tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    _phase1_blocks: int = field(default=-1, repr=False)
+
+    def use_two_phase(self, schedule, queries: Mapping[int, Tensor]) -> None:
+        """Serve reads that name their site through the two-phase block schedule.
+
+        Args:
+            schedule: the model's ``DepthSchedule``.
+            queries: global read site -> query [r] for every site this chunk reads.
+        """
+        self._schedule = schedule
+        self._queries = dict(queries)
+        self._phase1 = {}
+        self._phase1_blocks = -1
 
     @property
     def projected(self) -> bool:
@@ -70,12 +104,21 @@ class DepthState:
             keys.append(self.partial_key)
         return values, keys
 
-    def read(self, query: Tensor, config) -> Tensor:
+    def read(self, query: Tensor, config, site: Optional[int] = None) -> Tensor:
         """Depth read of the current sources with ``query`` ([r], fp32).
 
-        Runs inside ``torch.profiler.record_function("depth_read")`` so that profiles
-        (``lrattn-profile``) can attribute the forward of every read site.
+        Args:
+            query: the site's query.
+            config: the model config (eps, scale, backend).
+            site: global read-site number; with ``use_two_phase`` it selects the two-phase
+                path (``query`` must then be the query registered for ``site``).
+
+        Runs inside ``torch.profiler.record_function("depth_read")`` (two-phase:
+        ``depth_read_multi`` and ``depth_merge``) so that profiles (``lrattn-profile``)
+        can attribute the forward of every read site.
         """
+        if site is not None and self._schedule is not None:
+            return self._read_two_phase(query, config, site)
         values, keys = self.sources()
         with torch.profiler.record_function("depth_read"):
             return depth_read(
@@ -86,3 +129,30 @@ class DepthState:
                 scale=config.depth_scale,
                 backend=config.depth_backend,
             )
+
+    def _read_two_phase(self, query: Tensor, config, site: int) -> Tensor:
+        n = len(self.blocks)
+        if self._phase1_blocks != n:
+            self._phase1, self._phase1_blocks = {}, n
+        if site not in self._phase1:
+            sites = [s for s in self._schedule.block_sites(n) if s >= site and s in self._queries]
+            if site not in sites:
+                raise RuntimeError(
+                    f"two-phase read of site {site} with {n} completed blocks: the schedule's "
+                    f"sites for that state are {self._schedule.block_sites(n)}"
+                )
+            values = [self.embedding, *self.blocks]
+            keys = [self.embedding_key, *self.block_keys] if self.projected else None
+            queries = torch.stack([self._queries[s] for s in sites])
+            with torch.profiler.record_function("depth_read_multi"):
+                outs, lse = depth_read_multi(values, queries, keys, eps=config.key_norm_eps,
+                                             scale=config.depth_scale,
+                                             backend=config.depth_backend, split=True)
+            self._phase1 = {s: (outs[k], lse[k]) for k, s in enumerate(sites)}
+        out, lse = self._phase1.pop(site)
+        if self.partial is None:
+            return out
+        with torch.profiler.record_function("depth_merge"):
+            return depth_merge(out, lse, self.partial, query, self.partial_key,
+                               eps=config.key_norm_eps, scale=config.depth_scale,
+                               backend=config.depth_backend)

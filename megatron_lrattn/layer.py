@@ -114,7 +114,7 @@ class LRAttnResLayer(TransformerLayer):
         if attn_site == 0:
             x = depth_state.embedding
         else:
-            x = depth_state.read(input_query, self.config)
+            x = depth_state.read(input_query, self.config, site=attn_site)
         attn = self.self_attention(
             _normed(self.input_layernorm, x),
             attention_mask=attention_mask,
@@ -126,7 +126,7 @@ class LRAttnResLayer(TransformerLayer):
         )
         depth_state.add(*self._sublayer_output(attn), self.schedule.closes_block(attn_site + 1))
 
-        x = depth_state.read(pre_mlp_query, self.config)
+        x = depth_state.read(pre_mlp_query, self.config, site=attn_site + 1)
         mlp = self.mlp(_normed(self.pre_mlp_layernorm, x))
         depth_state.add(*self._sublayer_output(mlp), self.schedule.closes_block(attn_site + 2))
         return depth_state

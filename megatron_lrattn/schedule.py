@@ -90,6 +90,20 @@ class DepthSchedule:
         start = 1 if n == 0 else self.block_ends[n - 1] + 1
         return SiteSources(site=j, num_completed=n, partial=(start, j) if start <= j else None)
 
+    def block_sites(self, num_completed: int) -> Tuple[int, ...]:
+        """Read sites whose completed sources are exactly [v_0, B_1..B_n], n = ``num_completed``.
+
+        These are the sites of block n + 1 (its first site reads no partial sum; site 0, the
+        embedding itself, is not a read), or site 2L alone for n = N. Phase 1 of the
+        two-phase schedule serves all of them with one pass over those sources.
+        """
+        if not 0 <= num_completed <= self.num_blocks:
+            raise ValueError(f"num_completed={num_completed} is outside 0..{self.num_blocks}")
+        lo = self.block_ends[num_completed - 1] if num_completed else 1
+        hi = (self.block_ends[num_completed] - 1 if num_completed < self.num_blocks
+              else self.num_sites)
+        return tuple(range(lo, hi + 1))
+
     def state_after(self, sublayer: int) -> SiteSources:
         """Depth state held after sub-layer ``sublayer`` (0..2L): what a pipeline stage
         boundary placed there must carry. ``sublayer`` = 0 is the embedding alone."""

@@ -12,7 +12,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lrattn.cli.common import positive_int
-from megatron_lrattn.config import DEPTH_BACKENDS, KEY_TYPES, RESIDUAL_MODES
+from megatron_lrattn.config import DEPTH_BACKENDS, DEPTH_SCHEDULES, KEY_TYPES, RESIDUAL_MODES
 from megatron_lrattn.training.presets import PRESETS
 
 
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth-scale", type=float, default=1.0)
     g.add_argument("--key-norm-eps", type=float, default=1e-6)
     g.add_argument("--depth-backend", choices=DEPTH_BACKENDS, default="auto")
+    g.add_argument("--depth-schedule", choices=DEPTH_SCHEDULES, default="auto",
+                   help="per_site reads, two_phase block reads (phase 1 once per block + "
+                        "online-softmax merge per site), or auto (two_phase with the fused "
+                        "kernels on CUDA, per_site otherwise)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=positive_int)
@@ -108,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--exit-interval", type=positive_int, default=None,
+                   help="stop after the first iteration that is a multiple of N (saving when "
+                        "--save is given); the LR schedule still spans --train-iters")
     g.add_argument("--no-progress", action="store_true", help="disable the progress bar")
     g.add_argument("--keep-last", type=positive_int, default=None,
                    help="keep only the newest N complete checkpoints (default: all)")

@@ -1,0 +1,276 @@
+"""Two-phase block ops (``depth_read_multi``, ``depth_merge``), both backends, against
+float64 naive formulas: every output and every gradient (each source, each query, each
+projected key, the partial sum and its key, and the lse gradient path).
+
+On CPU the Triton backend runs under ``TRITON_INTERPRET=1`` on small shapes; the large bf16
+shapes run only where CUDA is present (the GPU box). One tolerance table, relative RMS.
+"""
+
+import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+import lrattn_kernels.depth_merge as kmg  # noqa: E402
+import lrattn_kernels.depth_read as kdr  # noqa: E402
+import lrattn_kernels.depth_read_multi as kmr  # noqa: E402
+from megatron_lrattn.ops import (  # noqa: E402
+    depth_merge,
+    depth_read,
+    depth_read_multi,
+    depth_read_multi_naive,
+    depth_read_naive,
+)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for mod in (kdr, kmr, kmg):
+        if not isinstance(getattr(mod, "_fwd_kernel"), InterpretedFunction):
+            importlib.reload(mod)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
+)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes need a CUDA GPU (GPU box)")
+BACKENDS = ["torch", "triton"]
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+# A merged read is rounded twice (the phase-1 output is stored in the activation dtype, then
+# merged), and the interpreter converts fp32 to bf16 by truncation (the GPU rounds to
+# nearest): merged results get twice the table.
+MERGED = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(kdr, "POISON", True)
+
+
+def rel_rms(x, ref, floor=1e-30):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(floor)).item()
+
+
+def randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
+
+
+def make(T, d, r, S, K, dtype, projected, seed=0, lead=()):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (*lead, T)
+    values = [(randn(gen, *shape, d, dtype=dtype) * (0.5 + i % 3)) for i in range(S)]
+    keys = [randn(gen, *shape, r, dtype=dtype) for _ in range(S)] if projected else None
+    queries = randn(gen, K, r) * (2.0 / r**0.5)
+    return gen, values, keys, queries
+
+
+def up(ts):
+    return None if ts is None else [t.detach().double().requires_grad_() for t in ts]
+
+
+def assert_table(errs, dtype, factor=1.0):
+    tol = TOL[dtype] * (1.0 if dtype == torch.float32 else factor)
+    bad = {k: e for k, e in errs.items() if not e <= tol}
+    assert not bad, f"errors over {tol:.0e}: {bad}"
+
+
+def check_multi(T, d, r, S, K, dtype, projected, backend, split=False, lead=()):
+    gen, values, keys, queries = make(T, d, r, S, K, dtype, projected, lead=lead)
+    leaves = [queries, *values, *(keys or [])]
+    for t in leaves:
+        t.requires_grad_()
+    out, lse = depth_read_multi(values, queries, keys, backend=backend, split=split)
+    if split:
+        assert len(out) == K
+        out = torch.stack(out)
+    g_out = randn(gen, *out.shape, dtype=dtype)
+    g_lse = randn(gen, *lse.shape)
+    grads = torch.autograd.grad([out, lse], leaves, [g_out, g_lse])
+    ref_leaves = up(leaves)
+    ref_out, ref_lse = depth_read_multi_naive(ref_leaves[1:S + 1], ref_leaves[0],
+                                              ref_leaves[S + 1:] if projected else None)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_leaves, [g_out.double(),
+                                                                    g_lse.double()])
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.shape == (K, *lead, T, d) and lse.shape == (K, *lead, T)
+    names = ["queries"] + [f"values[{i}]" for i in range(S)] + [
+        f"keys[{i}]" for i in range(S if projected else 0)]
+    errs = {"out": rel_rms(out, ref_out), "lse": rel_rms(lse, ref_lse)}
+    floor = 1e-1 * g_out.double().pow(2).mean().sqrt().item()
+    for name, g, rg, t in zip(names, grads, ref_grads, leaves):
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        errs[name] = rel_rms(g, rg, floor=floor)
+    assert_table(errs, dtype)
+
+
+def check_merge(T, d, r, S, dtype, projected, backend):
+    """depth_merge(phase 1 over S sources, P) == depth_read over [sources..., P]."""
+    gen, values, keys, queries = make(T, d, r, S, 1, dtype, projected, seed=1)
+    partial = randn(gen, T, d, dtype=dtype) * 1.5
+    pkey = randn(gen, T, r, dtype=dtype) if projected else None
+    query = queries[0]
+    leaves = [query, partial, *values, *(keys or []), *([pkey] if projected else [])]
+    for t in leaves:
+        t.requires_grad_()
+    out, lse = depth_read_multi(values, query[None], keys, backend=backend)
+    h = depth_merge(out[0], lse[0], partial, query, pkey, backend=backend)
+    g = randn(gen, T, d, dtype=dtype)
+    grads = torch.autograd.grad(h, leaves, g)
+    rl = up(leaves)
+    rq, rp, rv = rl[0], rl[1], rl[2:2 + S]
+    rk = [*rl[2 + S:2 + 2 * S], rl[-1]] if projected else None
+    ref = depth_read_naive([*rv, rp], rq, rk)
+    ref_grads = torch.autograd.grad(ref, rl, g.double())
+    assert h.dtype == dtype and h.shape == (T, d)
+    names = ["query", "partial"] + [f"values[{i}]" for i in range(S)] + (
+        [f"keys[{i}]" for i in range(S)] + ["partial_key"] if projected else [])
+    errs = {"out": rel_rms(h, ref)}
+    floor = 1e-1 * g.double().pow(2).mean().sqrt().item()
+    for name, gr, rg, t in zip(names, grads, ref_grads, leaves):
+        assert gr.dtype == t.dtype and gr.shape == t.shape, name
+        errs[name] = rel_rms(gr, rg, floor=floor)
+    assert_table(errs, dtype, MERGED)
+
+
+# (T, d, r, S, K, projected)
+STRESS = {
+    "sliced": (13, 64, 16, 4, 3, False),
+    "projected": (13, 64, 24, 3, 6, True),
+    "attnres_r_eq_d": (7, 48, 48, 3, 2, False),
+    "one_source_one_query": (9, 32, 8, 1, 1, False),
+    "one_source_projected": (5, 32, 8, 1, 2, True),
+    "many_sources": (3, 16, 4, 33, 6, False),
+    "many_sources_projected": (2, 16, 5, 34, 7, True),
+    "odd_d_1000": (3, 1000, 250, 3, 6, False),
+    "one_token": (1, 40, 10, 3, 6, False),
+    "r_one": (5, 24, 1, 3, 2, False),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(STRESS))
+def test_multi_parity(name, dtype, backend):
+    T, d, r, S, K, projected = STRESS[name]
+    check_multi(T, d, r, S, K, dtype, projected, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multi_split_fp16_and_leading_dims(backend):
+    check_multi(5, 40, 12, 3, 3, torch.float16, False, backend, split=True, lead=(2,))
+    check_multi(4, 32, 8, 2, 2, torch.float32, True, backend, split=True, lead=(2,))
+
+
+MERGE = {
+    "sliced": (13, 64, 16, 4, False),
+    "projected": (13, 64, 24, 3, True),
+    "attnres_r_eq_d": (7, 48, 48, 2, False),
+    "one_source": (9, 32, 8, 1, False),
+    "many_sources": (3, 16, 4, 33, False),
+    "odd_d_1000": (3, 1000, 250, 2, True),
+    "one_token": (1, 40, 10, 3, False),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MERGE))
+def test_merge_equals_read_over_sources_and_partial(name, dtype, backend):
+    T, d, r, S, projected = MERGE[name]
+    check_merge(T, d, r, S, dtype, projected, backend)
+
+
+def test_multi_rows_equal_single_site_reads_and_query_groups(monkeypatch):
+    """Row k is depth_read with query k; more queries than one kernel group holds."""
+    monkeypatch.setattr(kmr, "MAX_TILE", 64)  # d=32 -> groups of 2 queries
+    _, values, _, queries = make(6, 32, 8, 3, 5, torch.float32, False)
+    out, lse = depth_read_multi(values, queries, backend="triton")
+    assert out.shape == (5, 6, 32) and lse.shape == (5, 6)
+    for k in range(5):
+        torch.testing.assert_close(out[k], depth_read(values, queries[k], backend="triton"),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_zero_queries_give_the_mean_and_log_s():
+    _, values, _, queries = make(5, 24, 6, 4, 3, torch.float32, False)
+    out, lse = depth_read_multi(values, torch.zeros_like(queries), backend="triton")
+    torch.testing.assert_close(out, torch.stack(values).mean(0).expand(3, -1, -1))
+    torch.testing.assert_close(lse, torch.full_like(lse, float(torch.log(torch.tensor(4.0)))))
+
+
+def test_backward_is_deterministic():
+    for projected in (False, True):
+        gen, values, keys, queries = make(37, 64, 16, 4, 6, torch.bfloat16, projected)
+        leaves = [queries, *values, *(keys or [])]
+        for t in leaves:
+            t.requires_grad_()
+        g = randn(gen, 6, 37, 64, dtype=torch.bfloat16)
+        runs = []
+        for _ in range(2):
+            out, lse = depth_read_multi(values, queries, keys, backend="triton")
+            h = depth_merge(out[1], lse[1], values[0] * 2, queries[1],
+                            keys[0] * 2 if projected else None, backend="triton")
+            runs.append(torch.autograd.grad([out, h], leaves, [g, g[0]]))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+
+
+def test_zero_tokens():
+    _, values, keys, queries = make(0, 16, 4, 3, 2, torch.float32, True)
+    leaves = [queries, *values, *keys]
+    for t in leaves:
+        t.requires_grad_()
+    out, lse = depth_read_multi(values, queries, keys, backend="triton")
+    h = depth_merge(out[0], lse[0], values[1], queries[0], keys[1], backend="triton")
+    assert out.shape == (2, 0, 16) and lse.shape == (2, 0) and h.shape == (0, 16)
+    grads = torch.autograd.grad([out, h], leaves, [torch.ones_like(out), torch.ones_like(h)])
+    assert all(g.abs().sum() == 0 for g in grads)
+
+
+def test_argument_errors():
+    v = [torch.randn(3, 16, device=DEVICE)]
+    with pytest.raises(ValueError, match=r"\[K, r\]"):
+        depth_read_multi(v, torch.randn(4, device=DEVICE))
+    with pytest.raises(ValueError, match="lse"):
+        depth_merge(v[0], torch.zeros(4, device=DEVICE), v[0], torch.randn(4, device=DEVICE))
+    with pytest.raises(ValueError, match="backend"):
+        depth_merge(v[0], torch.zeros(3, device=DEVICE), v[0], torch.randn(4, device=DEVICE),
+                    backend="cuda")
+    with pytest.raises(ValueError, match="d=8193"):
+        depth_read_multi([torch.randn(1, 8193, device=DEVICE)], torch.randn(2, 4, device=DEVICE),
+                         backend="triton")
+
+
+# (T, d, r, S, K, projected): block reads of the L=24, N=8 schedule and wider models
+GPU_SHAPES = {
+    "d2048_S5_K6_sliced": (4096, 2048, 512, 5, 6, False),
+    "d2048_S9_K6_attnres": (4096, 2048, 2048, 9, 6, False),
+    "d4096_S9_K6_sliced": (2048, 4096, 1024, 9, 6, False),
+    "d2048_S9_K6_projected": (3001, 2048, 512, 9, 6, True),
+    "d1000_S40_K8_sliced": (777, 1000, 250, 40, 8, False),
+    "d8192_S3_K3_sliced": (512, 8192, 2048, 3, 3, False),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+def test_multi_parity_large_bf16(name):
+    T, d, r, S, K, projected = GPU_SHAPES[name]
+    check_multi(T, d, r, S, K, torch.bfloat16, projected, "triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["d2048_S5_K6_sliced", "d2048_S9_K6_projected",
+                                  "d4096_S9_K6_sliced", "d8192_S3_K3_sliced"])
+def test_merge_parity_large_bf16(name):
+    T, d, r, S, _, projected = GPU_SHAPES[name]
+    check_merge(T, d, r, S, torch.bfloat16, projected, "triton")
