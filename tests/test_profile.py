@@ -118,3 +118,22 @@ def test_cuda_share_counts_exact_gpu_kernel_names_only():
     prof = SimpleNamespace(events=lambda: events)
     pytest.importorskip("triton")
     assert depth_read_time_s(prof, on_cuda=True) == pytest.approx(450e-6)
+
+
+def test_interleaved_pipeline_two_processes(tmp_path):
+    """PP=2 with 2 virtual stages per rank under torchrun (gloo): every arm runs through the
+    interleaved schedule and the report records the layout."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", GIT_SHA="test")
+    small = [a for a in SMALL]
+    small[small.index("--num-layers") + 1] = "4"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "megatron_lrattn.cli.profile", *small, "--arms", "standard,lr_attnres",
+           "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+           "--no-kernel-profile", "--json", str(tmp_path / "p.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "p.json").read_text())
+    s = report["settings"]
+    assert (s["pp"], s["virtual_stages"], s["num_microbatches"]) == (2, 2, 8)
+    assert [a["arm"] for a in report["arms"]] == ["standard", "lr_attnres"]
+    assert all(a["median_step_time_s"] > 0 for a in report["arms"])

@@ -174,10 +174,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     )
     from megatron_lrattn.profiling.runner import depth_read_kernel_names, run_arms
     from megatron_lrattn.training.builder import padded_vocab_size
+    from megatron_lrattn.training.loop import virtual_stages
     from megatron_lrattn.training.runtime import init_runtime, shutdown_runtime
 
     rt = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                      args.seed)
+                      args.seed, vp=virtual_stages(args))
     try:
         cuda = torch.cuda.is_available()
         vocab = padded_vocab_size(args.vocab_size, rt.tp)
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
             "provenance": _provenance(argv),
             "settings": {
                 "preset": args.preset, "world_size": rt.world_size, "tp": rt.tp, "pp": rt.pp,
+                "virtual_stages": virtual_stages(args),
                 "dp": rt.dp, "num_layers": args.num_layers, "hidden_size": args.hidden_size,
                 "ffn_hidden_size": args.ffn_hidden_size,
                 "num_attention_heads": args.num_attention_heads,

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrattn.profiling.arms import Arm, arm_args
+from megatron_lrattn.training.loop import virtual_stages
 from megatron_lrattn.training.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class ArmRun:
 
     Attributes:
         arm: the arm.
-        models: the DDP-wrapped model chunk(s).
+        models: the DDP-wrapped model chunk(s): one per virtual pipeline stage with
+            ``--num-layers-per-virtual-pipeline-stage``.
         optimizer, scheduler: megatron optimizer and LR schedule.
         step_kwargs: keyword arguments of the forward-backward function.
         num_params: parameters of this rank's chunk.
@@ -128,16 +130,17 @@ def build_arm(arm: Arm, args: argparse.Namespace, vocab_size: int, num_micro: in
     """
     from megatron_lrattn.pipeline import depth_tensor_shapes_fn
     from megatron_lrattn.training.builder import (
-        build_config, build_model, build_optimizer, wrap_model,
+        build_config, build_model_chunks, build_optimizer, wrap_model,
     )
 
     a = arm_args(args, arm)
     bf16 = args.bf16 if args.bf16 is not None else _cuda()
     config = build_config(a, bf16)
-    model = build_model(config, a, vocab_size)
-    num_params = sum(p.numel() for p in model.parameters())
-    models = [wrap_model(model, config, a.use_distributed_optimizer)]
-    config.no_sync_func = models[0].no_sync
+    # One chunk, or one per virtual stage sharing the rank's depth-source cache.
+    chunks = build_model_chunks(config, a, vocab_size)
+    num_params = sum(p.numel() for m in chunks for p in m.parameters())
+    models = [wrap_model(m, config, a.use_distributed_optimizer) for m in chunks]
+    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     optimizer, scheduler = build_optimizer(models, config, a)
     step_kwargs = dict(num_microbatches=num_micro, seq_length=a.seq_length,
                        micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length)
@@ -285,7 +288,9 @@ def run_arms(arms: List[Arm], args: argparse.Namespace, rt: Runtime, vocab_size:
     """
     batch = synthetic_batch(args.micro_batch_size, args.seq_length, vocab_size, rt.device,
                             args.seed)
-    batches = itertools.repeat(batch)
+    chunks = virtual_stages(args) or 1
+    # The interleaved schedule takes one iterator per model chunk.
+    batches = itertools.repeat(batch) if chunks == 1 else [itertools.repeat(batch)] * chunks
 
     def finish(run: ArmRun) -> None:
         if profile:

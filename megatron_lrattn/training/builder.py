@@ -46,9 +46,14 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         variable_seq_lengths=virtual is not None,
         moe_token_dispatcher_type="alltoall" if virtual is not None else "allgather",
         # With P = 2 the interleaved ring sends activations and gradients between the same
-        # two ranks; gloo matches messages by order, so keep the two directions on separate
-        # communicators (megatron's unbatched p2p) on CPU.
-        batch_p2p_comm=virtual is None or torch.cuda.is_available(),
+        # two ranks, and ours differ in shape. Messages between one pair of ranks are
+        # matched in posting order (gloo and NCCL alike), and megatron's combined
+        # forward+backward exchange (and its shape exchange) posts the two directions in an
+        # order that pairs an activation with a gradient. The overlapped schedule exchanges
+        # each direction in its own call, and unbatched p2p keeps the directions on separate
+        # communicators.
+        batch_p2p_comm=virtual is None,
+        overlap_p2p_comm=virtual is not None,
         sequence_parallel=args.sequence_parallel,
         bf16=bf16,
         params_dtype=dtype,

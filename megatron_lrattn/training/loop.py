@@ -117,7 +117,9 @@ class MetricsWriter:
             self.f.close()
 
 
-def _virtual_stages(args: argparse.Namespace) -> Optional[int]:
+def virtual_stages(args: argparse.Namespace) -> Optional[int]:
+    """Virtual pipeline stages per rank from ``--num-layers-per-virtual-pipeline-stage``
+    (None without interleaving)."""
     per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_virtual is None:
         return None
@@ -139,7 +141,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         enable_deterministic()
     rt = runtime or init_runtime(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seed,
-                                 vp=_virtual_stages(args))
+                                 vp=virtual_stages(args))
     bf16 = args.bf16 if args.bf16 is not None else torch.cuda.is_available()
     config = build_config(args, bf16)
     config.deterministic_mode = bool(args.deterministic)
@@ -151,7 +153,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         )
     num_micro = gbs // (mbs * rt.dp)
     pp = args.pipeline_model_parallel_size
-    if _virtual_stages(args) and (num_micro % pp or (num_micro < 2 * pp
+    if virtual_stages(args) and (num_micro % pp or (num_micro < 2 * pp
                                                      and not torch.cuda.is_available())):
         raise ArgumentError(
             f"the interleaved schedule needs micro-batches per step ({num_micro}) to be a "
@@ -283,6 +285,10 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
             metrics.write({"type": "valid", "iteration": iteration, "loss": last_valid})
             logger.info("validation loss at iteration %d: %.4f", iteration, last_valid)
         checkpointer.after_iteration(iteration, consumed)
+        if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
+            logger.info("--exit-interval %d: stopping at iteration %d%s", args.exit_interval,
+                        iteration, " (saving)" if args.save else "")
+            break
         if checkpointer.exit_requested():
             logger.info("exit signal received: %s at iteration %d",
                         "saving and exiting" if args.save else "exiting (no --save)", iteration)
