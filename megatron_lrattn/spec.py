@@ -16,7 +16,7 @@ from megatron_lrattn.attention import SDPACoreAttention
 from megatron_lrattn.layer import LRAttnResLayer
 from megatron_lrattn.norms import SequenceParallelTorchNorm
 
-SPEC_BACKENDS = ("local",)
+SPEC_BACKENDS = ("local", "te")
 CORE_ATTENTION = ("auto", "local", "sdpa")
 
 
@@ -55,20 +55,32 @@ def get_lr_attnres_layer_spec(
 
     Args:
         config: ``LRAttnResConfig``; its ``residual`` and ``key`` choose the layer.
-        backend: module backend, ``local`` (megatron-core modules). ``te`` is planned.
+        backend: ``local`` (megatron-core modules) or ``te`` (Transformer Engine modules,
+            experimental; FP8 through ``config.fp8``/``config.fp8_recipe``).
         normalization: ``RMSNorm`` or ``LayerNorm``.
         qk_layernorm: normalise queries and keys of self-attention.
         core_attention: ``local`` (megatron's DotProductAttention), ``sdpa`` or ``auto``
-            (``sdpa`` when CUDA is available).
+            (``sdpa`` when CUDA is available); the TE spec takes only ``auto`` (it uses
+            ``TEDotProductAttention``).
 
     Returns:
         A ``ModuleSpec``: megatron-core's own local spec for ``standard`` (with the core
         attention swapped when ``sdpa`` is chosen), ``LRAttnResLayer`` otherwise. In both,
         the norms are ``SequenceParallelTorchNorm`` (the same PyTorch modules as
-        megatron's ``WrappedTorchNorm``, but accepting ``sequence_parallel``).
+        megatron's ``WrappedTorchNorm``, but accepting ``sequence_parallel``). For ``te``
+        see ``_te_layer_spec``.
+
+    Raises:
+        ValueError: an unknown choice, or FP8 settings without ``te`` or that TE refuses.
+        megatron_lrattn.te_compat.TEUnavailableError: ``te`` without Transformer Engine.
     """
     if backend not in SPEC_BACKENDS:
         raise ValueError(f"backend={backend!r} is not available; allowed: {SPEC_BACKENDS}")
+    if backend == "te":
+        return _te_layer_spec(config, qk_layernorm, core_attention)
+    if getattr(config, "fp8", None):
+        raise ValueError(f"fp8={config.fp8!r} needs backend='te' (FP8 GEMMs are Transformer "
+                         "Engine modules; the local spec runs bf16)")
     if core_attention not in CORE_ATTENTION:
         raise ValueError(f"core_attention={core_attention!r}; allowed: {CORE_ATTENTION}")
     if normalization not in ("RMSNorm", "LayerNorm"):
@@ -93,6 +105,46 @@ def get_lr_attnres_layer_spec(
     if mlp_changes:
         layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
     module = LRAttnResLayer if config.uses_depth_attention else spec.module
+    return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
+
+
+def _te_layer_spec(config, qk_layernorm: bool, core_attention: str) -> ModuleSpec:
+    """The TE layer spec: megatron-core's TE spec with our layer and key-emitting projection.
+
+    ``TELayerNormColumnParallelLinear`` for QKV and FC1 (the PreNorm fused in, so
+    ``input_layernorm``/``pre_mlp_layernorm`` are ``IdentityOp``), ``TEDotProductAttention``,
+    ``TERowParallelLinear`` (``KeyEmittingTERowParallelLinear`` for projected keys). The QK
+    norms stay ``SequenceParallelTorchNorm`` (and the block's final norm too), so every
+    distributed-checkpoint key is the same as the local spec's (``te_compat``).
+    """
+    from megatron_lrattn import te_compat
+
+    if core_attention != "auto":
+        raise ValueError(f"core_attention={core_attention!r} applies to backend='local'; the "
+                         "TE spec uses TEDotProductAttention")
+    te_compat.check_fp8_config(config)
+    te_compat.require_te()
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from megatron_lrattn.te_layers import KeyEmittingTERowParallelLinear, TELRAttnResLayer
+
+    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    sub = spec.submodules
+    attn_changes, mlp_changes = {}, {}
+    if qk_layernorm:
+        attn_changes["q_layernorm"] = SequenceParallelTorchNorm
+        attn_changes["k_layernorm"] = SequenceParallelTorchNorm
+    if config.projected_keys:
+        attn_changes["linear_proj"] = KeyEmittingTERowParallelLinear
+        mlp_changes["linear_fc2"] = KeyEmittingTERowParallelLinear
+    layer_changes = {}
+    if attn_changes:
+        layer_changes["self_attention"] = _replace_submodules(sub.self_attention, **attn_changes)
+    if mlp_changes:
+        layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
+    module = TELRAttnResLayer if config.uses_depth_attention else spec.module
     return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
 
 

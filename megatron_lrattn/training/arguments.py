@@ -15,6 +15,8 @@ from megatron_lrattn.cli.common import positive_int
 from megatron_lrattn.config import DEPTH_BACKENDS, DEPTH_SCHEDULES, KEY_TYPES, RESIDUAL_MODES
 from megatron_lrattn.training.presets import PRESETS
 
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
 
 class ArgumentError(ValueError):
     """A bad command-line value; the message names the flag and what is allowed."""
@@ -93,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None,
                    help="interleaved pipeline: layers per model chunk (V = L / (P x this))")
+
+    g = p.add_argument_group("Transformer Engine (experimental)")
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
+                   help="layer modules: megatron-core's local ones (default) or Transformer "
+                        "Engine's (norm fused into QKV/FC1, fused attention, FP8); TE must be "
+                        "installed")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="FP8 GEMMs in the TE layers: e4m3, or hybrid (e4m3 forward, e5m2 "
+                        "gradients); the depth read stays bf16/fp32 (default: no FP8)")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed",
+                   help="FP8 scaling: delayed (scales from an amax history) or tensorwise "
+                        "(per-tensor current scaling)")
+    g.add_argument("--fp8-amax-history-len", type=positive_int, default=1,
+                   help="amax history of the delayed recipe (megatron's default 1)")
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"],
+                   default="most_recent", help="scale from the newest or the largest amax")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
@@ -269,6 +287,36 @@ def _check_writable(flag: str, path: str, parent: str, is_dir: bool) -> None:
     os.unlink(probe)
 
 
+def _check_transformer_engine(args: argparse.Namespace) -> None:
+    """``--transformer-impl``/``--fp8-*``: FP8 only with TE, TE importable, FP8 shapes."""
+    from megatron_lrattn import te_compat
+
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        raise ArgumentError(f"--fp8-format {args.fp8_format} needs --transformer-impl "
+                            "transformer_engine (FP8 GEMMs are Transformer Engine modules)")
+    if args.transformer_impl != "transformer_engine":
+        return
+    if args.fp8_format:
+        tp = args.tensor_model_parallel_size
+        tokens = args.seq_length * args.micro_batch_size // (tp if args.sequence_parallel else 1)
+        projected = args.residual == "lr_attnres" and args.key == "projected"
+        bad = te_compat.fp8_shape_problems(
+            hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+            kv_channels=args.hidden_size // args.num_attention_heads, tensor_parallel=tp,
+            swiglu=args.swiglu,
+            key_rows=(args.rank or args.hidden_size // 4) if projected else 0)
+        if tokens % 8:
+            bad.append(f"{tokens} tokens per micro-batch and rank (not a multiple of 8)")
+        if bad:
+            raise ArgumentError(f"--fp8-format {args.fp8_format}: TE's FP8 GEMMs refuse "
+                                f"{'; '.join(bad)}")
+    try:
+        te_compat.require_te()
+    except te_compat.TEUnavailableError as e:
+        raise ArgumentError(f"--transformer-impl transformer_engine: {e}") from None
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Check values and combinations before anything is built or written.
 
@@ -337,6 +385,7 @@ def validate_args(args: argparse.Namespace) -> None:
             )
     if not (math.isfinite(args.depth_scale) and args.depth_scale > 0):
         raise ArgumentError(f"--depth-scale {args.depth_scale} must be a finite number > 0")
+    _check_transformer_engine(args)
     if args.data_path is not None:
         for prefix in _data_prefixes(args.data_path):
             for ext in (".bin", ".idx"):

@@ -13,6 +13,10 @@ from megatron_lrattn.model import LRAttnResGPTModel
 from megatron_lrattn.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
 
 
+SPEC_BACKENDS = {"local": "local", "transformer_engine": "te"}
+"""``--transformer-impl`` -> ``get_lr_attnres_layer_spec(backend=...)``."""
+
+
 def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
     """``LRAttnResConfig`` from command-line arguments (raises ``ConfigError`` on bad values)."""
     from megatron.core.distributed import finalize_model_grads
@@ -38,6 +42,11 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        # FP8 (TE spec only); arguments recorded by older versions have no such fields.
+        fp8=getattr(args, "fp8_format", None),
+        fp8_recipe=getattr(args, "fp8_recipe", "delayed"),
+        fp8_amax_history_len=getattr(args, "fp8_amax_history_len", 1),
+        fp8_amax_compute_algo=getattr(args, "fp8_amax_compute_algo", "most_recent"),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual,
@@ -79,7 +88,8 @@ def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: i
     """
     from megatron.core import parallel_state
 
-    layer_spec = get_lr_attnres_layer_spec(config, qk_layernorm=args.qk_layernorm)
+    backend = SPEC_BACKENDS[getattr(args, "transformer_impl", "local")]
+    layer_spec = get_lr_attnres_layer_spec(config, backend=backend, qk_layernorm=args.qk_layernorm)
     virtual = dict(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None else {}
     model = LRAttnResGPTModel(
         config,
