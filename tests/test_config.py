@@ -29,6 +29,7 @@ OUR_FIELDS = {
     "key_norm_eps": 1e-6,
     "depth_scale": 1.0,
     "depth_backend": "auto",
+    "depth_schedule": "auto",
 }
 
 
