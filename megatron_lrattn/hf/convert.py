@@ -1,8 +1,10 @@
 """Megatron <-> Hugging Face state dicts: one declarative key map, checked both ways.
 
 Megatron names are those of a TP1PP1 ``LRAttnResGPTModel.state_dict()`` (what a
-distributed checkpoint of any layout loads into); HF names are those of
-``LRAttnForCausalLM``. Layouts:
+distributed checkpoint of any layout loads into) built with the local spec; a TE-spec state
+dict (norm gains as ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``) is
+accepted too and ``hf_to_megatron(..., naming="te")`` writes one (``megatron_lrattn.te_compat``).
+HF names are those of ``LRAttnForCausalLM``. Layouts:
 
 * ``linear_qkv`` is megatron's per-query-group interleaved [ng * (q_per_group + 2) * hn, d]
   (``q_1..q_g, k, v`` per group); it splits into ``q_proj``/``k_proj``/``v_proj``.
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
+from megatron_lrattn.te_compat import local_to_te_keys, spec_naming, te_to_local_keys
 
 
 class ConversionError(ValueError):
@@ -199,11 +202,17 @@ def _qkv_merge(q: Tensor, k: Tensor, v: Tensor, c: LRAttnConfig) -> Tensor:
 
 
 def megatron_to_hf(megatron_sd: Dict[str, Tensor], config: LRAttnConfig) -> Dict[str, Tensor]:
-    """HF state dict from a TP1PP1 Megatron state dict (``_extra_state`` entries ignored).
+    """HF state dict from a TP1PP1 Megatron state dict of the local or the TE spec
+    (``_extra_state`` entries ignored).
 
     Raises:
         ConversionError: unknown/missing keys or shapes not following ``config``.
     """
+    try:
+        if spec_naming(megatron_sd) == "te":
+            megatron_sd = te_to_local_keys(megatron_sd)
+    except ValueError as e:
+        raise ConversionError(f"Megatron state dict: {e}") from None
     sd = {k: v for k, v in megatron_sd.items() if not k.endswith("._extra_state")}
     rules = expanded_rules(config)
     _check_keys(sd, [r.megatron for r in rules], "Megatron")
@@ -230,13 +239,17 @@ def megatron_to_hf(megatron_sd: Dict[str, Tensor], config: LRAttnConfig) -> Dict
 
 
 def hf_to_megatron(hf_sd: Dict[str, Tensor], config: LRAttnConfig,
-                   padded_vocab: Optional[int] = None) -> Dict[str, Tensor]:
+                   padded_vocab: Optional[int] = None, naming: str = "local"
+                   ) -> Dict[str, Tensor]:
     """TP1PP1 Megatron state dict from an HF state dict; vocabulary rows padded with zeros
-    to ``padded_vocab`` (default: no padding).
+    to ``padded_vocab`` (default: no padding); ``naming`` ``local`` or ``te`` picks the layer
+    spec whose ``state_dict()`` names it uses.
 
     Raises:
         ConversionError: unknown/missing keys or shapes not following ``config``.
     """
+    if naming not in ("local", "te"):
+        raise ValueError(f"naming={naming!r}; allowed: local, te")
     sd = dict(hf_sd)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -259,4 +272,4 @@ def hf_to_megatron(hf_sd: Dict[str, Tensor], config: LRAttnConfig,
         else:
             t = pieces[0]
         out[r.megatron] = t.contiguous().clone()
-    return out
+    return local_to_te_keys(out) if naming == "te" else out
