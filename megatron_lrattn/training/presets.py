@@ -49,6 +49,27 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         num_blocks=4,
         rotary_base=10000,
     ),
+    # The quality study's model (docs/results.md): 25.7M non-embedding parameters, 8
+    # depth blocks of one layer each; 500 steps of 32 x 1024 tokens.
+    "study-25m": dict(
+        _COMMON,
+        num_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        ffn_hidden_size=1408,
+        seq_length=1024,
+        micro_batch_size=32,
+        global_batch_size=32,
+        train_iters=500,
+        lr=2e-3,
+        min_lr=2e-4,
+        lr_warmup_iters=50,
+        eval_interval=50,
+        eval_iters=10,
+        log_interval=50,
+        num_blocks=8,
+        rotary_base=10000,
+    ),
     # The LR-AttnRes paper's 0.5B model.
     "0.5b": dict(
         _COMMON,

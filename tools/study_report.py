@@ -1,0 +1,153 @@
+"""Summarise a quality study: final validation loss per arm (mean, sd, every seed), loss
+curves, and the ordering of the arms.
+
+Reads ``<dir>/<arm>_seed<k>.jsonl`` (``lrattn-pretrain --log-json`` files, as written by
+``tools/gpu_box/quality_study.sh``) and writes ``study.json``, ``study_table.md`` and
+``study_curves.png`` to ``--out``.
+
+    python tools/study_report.py benchmarks/results/study_2026-11-30 --out docs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+ARM_ORDER = ("standard", "attnres", "lr_sliced", "lr_projected")
+LABELS = {
+    "standard": "standard residual",
+    "attnres": "AttnRes (N=8)",
+    "lr_sliced": "LR-AttnRes sliced (r=d/4, N=8)",
+    "lr_projected": "LR-AttnRes projected (r=32, N=8)",
+}
+_NAME = re.compile(r"^(?P<arm>.+)_seed(?P<seed>\d+)\.jsonl$")
+
+
+def load_runs(folder: Path) -> Dict[str, Dict[int, List[dict]]]:
+    """``{arm: {seed: rows}}`` of every ``<arm>_seed<k>.jsonl`` in ``folder``."""
+    runs: Dict[str, Dict[int, List[dict]]] = {}
+    for path in sorted(folder.glob("*_seed*.jsonl")):
+        m = _NAME.match(path.name)
+        if not m:
+            continue
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        runs.setdefault(m["arm"], {})[int(m["seed"])] = rows
+    return runs
+
+
+def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
+    """Final validation loss of every run and mean / sd per arm (sd over seeds, n - 1)."""
+    arms = {}
+    for arm in sorted(runs, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else 99, a)):
+        finals, iters, tokens = {}, {}, {}
+        for seed, rows in sorted(runs[arm].items()):
+            valid = [r for r in rows if r.get("type") == "valid"]
+            train = [r for r in rows if r.get("type") == "train"]
+            if not valid or not train:
+                continue
+            finals[seed] = valid[-1]["loss"]
+            iters[seed] = valid[-1]["iteration"]
+            tokens[seed] = train[-1]["consumed_samples"]
+        vals = list(finals.values())
+        arms[arm] = {
+            "label": LABELS.get(arm, arm),
+            "final_valid_loss": finals,
+            "iterations": iters,
+            "samples": tokens,
+            "mean": statistics.fmean(vals) if vals else None,
+            "sd": statistics.stdev(vals) if len(vals) > 1 else None,
+            "n": len(vals),
+        }
+    ranked = sorted((a for a in arms if arms[a]["mean"] is not None), key=lambda a: arms[a]["mean"])
+    return {"arms": arms, "ranking_by_mean": ranked}
+
+
+def table(summary: dict) -> str:
+    """Markdown table: arm, mean, sd, every seed's final validation loss."""
+    arms = summary["arms"]
+    seeds = sorted({s for a in arms.values() for s in a["final_valid_loss"]})
+    head = "| arm | mean | sd | " + " | ".join(f"seed {s}" for s in seeds) + " |"
+    sep = "|---" * (3 + len(seeds)) + "|"
+    lines = [head, sep]
+    for a in arms.values():
+        cells = [f"{a['final_valid_loss'][s]:.4f}" if s in a["final_valid_loss"] else "-"
+                 for s in seeds]
+        mean = f"{a['mean']:.4f}" if a["mean"] is not None else "-"
+        sd = f"{a['sd']:.4f}" if a["sd"] is not None else "-"
+        lines.append(f"| {a['label']} | {mean} | {sd} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: Dict[str, Dict[int, List[dict]]], summary: dict, path: Path) -> bool:
+    """Training loss (mean over seeds, smoothed) and validation loss per arm; False without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for arm, info in summary["arms"].items():
+        seeds = runs[arm]
+        per_seed = [{r["iteration"]: r["loss"] for r in rows if r.get("type") == "train"
+                     and r.get("loss") is not None} for rows in seeds.values()]
+        its = sorted(set.intersection(*(set(p) for p in per_seed))) if per_seed else []
+        mean = [statistics.fmean(p[i] for p in per_seed) for i in its]
+        k = 10
+        smooth = [statistics.fmean(mean[max(0, j - k + 1): j + 1]) for j in range(len(mean))]
+        ax_t.plot(its, smooth, label=info["label"])
+        vper = [{r["iteration"]: r["loss"] for r in rows if r.get("type") == "valid"}
+                for rows in seeds.values()]
+        vits = sorted(set.intersection(*(set(p) for p in vper))) if vper else []
+        ax_v.plot(vits, [statistics.fmean(p[i] for p in vper) for i in vits], marker="o",
+                  ms=3, label=info["label"])
+    ax_t.set(xlabel="iteration", ylabel="training loss (mean over seeds, 10-step mean)",
+             title="training loss")
+    ax_v.set(xlabel="iteration", ylabel="validation loss (mean over seeds)",
+             title="held-out validation loss")
+    for ax in (ax_t, ax_v):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    # the late part of training is where the arms separate
+    finals = [a["mean"] for a in summary["arms"].values() if a["mean"] is not None]
+    if finals:
+        ax_v.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
+        ax_t.set_ylim(min(finals) - 0.4, min(finals) + 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="study_report", description=__doc__.splitlines()[0])
+    p.add_argument("folder", type=Path, help="folder with <arm>_seed<k>.jsonl files")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: folder)")
+    args = p.parse_args(argv)
+    runs = load_runs(args.folder)
+    if not runs:
+        print(f"study_report: error: no <arm>_seed<k>.jsonl files in {args.folder}",
+              file=sys.stderr)
+        return 2
+    out = args.out or args.folder
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(runs)
+    (out / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
+    text = table(summary)
+    (out / "study_table.md").write_text(text + "\n")
+    print(text)
+    print("ranking by mean final validation loss (best first):",
+          " < ".join(summary["arms"][a]["label"] for a in summary["ranking_by_mean"]))
+    if plot(runs, summary, out / "study_curves.png"):
+        print(f"plot: {out / 'study_curves.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
