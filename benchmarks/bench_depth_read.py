@@ -13,6 +13,18 @@ sliced keys, bf16 query).
 
     python benchmarks/bench_depth_read.py                # full table, appends the CSV
     python benchmarks/bench_depth_read.py --sweep        # also sweep the kernel tiles
+    python benchmarks/bench_depth_read.py --block        # one depth block, per-site vs two-phase
+
+``--block`` times the K read sites of one depth block (L=24, N=8: K=6 sites per block,
+d=2048) after S completed sources: site 0 reads the S sources, site k >= 1 also the
+block's partial sum P_k. ``per_site``: K fused single-site reads; ``two_phase``: one
+``depth_read_multi`` (phase 1) plus K-1 ``depth_merge`` (phase 2). Minimal bytes of the
+block (what any implementation must move): fwd (S + 2K - 1)*T*d*2 (S sources and K-1
+partials read once, K outputs written), fwd+bwd (3S + 5K - 3)*T*d*2 (the backward reads the
+K output gradients, the sources and partials again and writes their gradients); plus the
+projected keys (S + K - 1)*T*r*2 fwd, 3x that fwd+bwd. Both schedules are checked against
+the per-site torch reference first (every output and gradient; merged reads are rounded
+twice, so 2x the bf16 tolerance) and timed only on a green check.
 """
 
 from __future__ import annotations
@@ -31,7 +43,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import lrattn_kernels.depth_merge as kmg  # noqa: E402
 import lrattn_kernels.depth_read as kdr  # noqa: E402
+import lrattn_kernels.depth_read_multi as kmr  # noqa: E402
 from megatron_lrattn.ops.reference import depth_read_naive, depth_read_torch  # noqa: E402
 
 TOL_BF16 = 1e-2
@@ -250,6 +264,97 @@ def prefetch_ab(T, copy_tbps):
             del vals, grad
 
 
+def block_inputs(T, d, r, S, K, projected, seed):
+    """S sources, K-1 partial sums (site k >= 1 reads P_k), K queries and output grads."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=DEVICE, generator=g).to(dt)
+    inp = {"vals": [randn(T, d) for _ in range(S)], "parts": [randn(T, d) for _ in range(K - 1)],
+           "keys": [randn(T, r) for _ in range(S)] if projected else None,
+           "pkeys": [randn(T, r) for _ in range(K - 1)] if projected else None,
+           "queries": randn(K, r, dt=torch.float32) * (2.0 / r**0.5)}
+    grads = [randn(T, d) for _ in range(K)]
+    return inp, grads
+
+
+def block_per_site(read):
+    def run(vals, parts, keys, pkeys, queries):
+        outs = []
+        for k in range(queries.shape[0]):
+            v = vals + parts[k - 1:k] if k else vals
+            ks = None if keys is None else (keys + pkeys[k - 1:k] if k else keys)
+            outs.append(read(v, queries[k], ks))
+        return outs
+    return run
+
+
+def block_two_phase(vals, parts, keys, pkeys, queries):
+    outs, lse = kmr.depth_read_multi_triton(vals, queries, keys, split=True)
+    return [outs[0]] + [kmg.depth_merge_triton(outs[k], lse[k], parts[k - 1], queries[k],
+                                               None if keys is None else pkeys[k - 1])
+                        for k in range(1, queries.shape[0])]
+
+
+def block_fwd_bwd(fn, inp, grads):
+    leaves = [inp["queries"], *inp["vals"], *inp["parts"], *(inp["keys"] or []),
+              *(inp["pkeys"] or [])]
+    for t in leaves:
+        t.requires_grad_(True)
+    outs = fn(**inp)
+    gs = torch.autograd.grad(outs, leaves, grads)
+    for t in leaves:
+        t.requires_grad_(False)
+    return outs, gs
+
+
+def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
+    """Per-site fused reads vs two-phase for the K sites of one block; CSV rows."""
+    projected = keys_kind == "projected"
+    inp, grads = block_inputs(T, d, r, S, K, projected, seed=S + K + r)
+    up = {k: (None if v is None else v if k == "queries" else [t.float() for t in v])
+          for k, v in inp.items()}
+    ref = block_fwd_bwd(block_per_site(depth_read_torch), up, [g.float() for g in grads])
+    del up
+    kb = (S + K - 1) * T * r * 2 if projected else 0
+    nbytes = {"fwd": (S + 2 * K - 1) * T * d * 2 + kb, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2 + 3 * kb}
+    rows = []
+    for name, fn, tol in (("per_site", block_per_site(kdr.depth_read_triton), TOL_BF16),
+                          ("two_phase", block_two_phase, 2 * TOL_BF16)):
+        row = dict(meta, T=T, d=d, S=S, r=r, keys=keys_kind, backend=f"block_K{K}_{name}",
+                   copy_tbps=f"{copy_tbps:.3f}", min_mib=f"{nbytes['fwd'] / 2**20:.0f}")
+        outs, gs = block_fwd_bwd(fn, inp, grads)
+        err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
+        row["check"] = f"ok {err:.1e}" if err <= tol else f"FAIL {err:.1e}"
+        if err > tol:
+            print(f"  {name}: RED CHECK rel-RMS {err:.2e} > {tol:.0e}; not timed", flush=True)
+            rows.append(dict(row, **{"pass": "fwdbwd"}))
+            continue
+        peak = float("nan")
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            block_fwd_bwd(fn, inp, grads)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        with torch.no_grad():
+            t_fwd = bench(lambda: fn(**inp), rep=200)
+        t_fb = bench(lambda: block_fwd_bwd(fn, inp, grads), rep=300)
+        for p, ms in (("fwd", t_fwd), ("fwdbwd", t_fb)):
+            tbps = nbytes[p] / ms / 1e9
+            rows.append(dict(row, **{"pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
+                                     "tbps": f"{tbps:.3f}", "pct_copy": f"{100 * tbps / copy_tbps:.1f}",
+                                     "peak_mib": f"{peak:.0f}" if p == "fwdbwd" else ""}))
+        print(f"  {name}: fwd {t_fwd:.3f} ms ({100 * nbytes['fwd'] / t_fwd / 1e9 / copy_tbps:.1f}%)"
+              f" fwd+bwd {t_fb:.3f} ms ({100 * nbytes['fwdbwd'] / t_fb / 1e9 / copy_tbps:.1f}%)"
+              f" peak {peak:.0f} MiB  check {row['check']}", flush=True)
+    del inp, grads, ref
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -261,6 +366,12 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="sweep kernel tiles first")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="time the kernels with and without next-source prefetch first")
+    ap.add_argument("--block", action="store_true",
+                    help="time one depth block (per-site reads vs two-phase) instead of the table")
+    ap.add_argument("--block-width", type=int, default=2048)
+    ap.add_argument("--block-sources", type=int, nargs="+", default=[5, 9],
+                    help="completed sources S before the block")
+    ap.add_argument("--block-sites", type=int, default=6, help="read sites K of the block")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run of the harness logic under TRITON_INTERPRET=1 (no real timings)")
     args = ap.parse_args()
@@ -279,6 +390,9 @@ def main():
         sweep(T, copy_tbps)
     if args.prefetch_ab:
         prefetch_ab(T, copy_tbps)
+    if args.block:
+        run_blocks(args, T, copy_tbps, meta)
+        return
     pairs = [(d, S) for S in args.sources for d in args.widths]
     pairs += [tuple(int(x) for x in p.split(":")) for p in args.extra.split(",") if p]
     rows = []
@@ -297,6 +411,22 @@ def main():
                 f.flush()
                 rows += shape_rows
     summarize(rows)
+
+
+def run_blocks(args, T, copy_tbps, meta):
+    d, K = args.block_width, args.block_sites
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    new = not os.path.exists(args.csv)
+    with open(args.csv, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        for S in args.block_sources:
+            for keys_kind, r in (("sliced", d // 4), ("attnres", d), ("projected", d // 4)):
+                print(f"block T={T} d={d} S={S} K={K} r={r} {keys_kind}", flush=True)
+                kind = "sliced" if keys_kind == "attnres" else keys_kind
+                w.writerows(bench_block(T, d, r, S, K, kind, copy_tbps, meta))
+                f.flush()
 
 
 def summarize(rows):

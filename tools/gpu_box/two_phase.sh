@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Two-phase block schedule on the GPU box (one H200, under 6 minutes): the GPU-only tests of
+# depth_read_multi / depth_merge, the depth-block benchmark (per-site fused reads vs phase 1
+# + merges, L=24 N=8: K=6 sites, d=2048, T=16384, bf16, S=5 and 9) and the standard S=9
+# single-site rows at d=2048. Everything lands in $OUT (log, CSVs).
+#   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/two_phase.sh
+# Wheels carried in .whl/ (fla-core, fast-attnres peers) are installed when present.
+set -euo pipefail
+OUT=${OUT:-/tmp/lrattn_out}
+mkdir -p "$OUT" /tmp/lrattn_pk
+ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
+export PYTHONPATH="$PWD:/tmp/lrattn_pk${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/lrattn_site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/lrattn_site"
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ)"
+} 2>&1 | tee "$OUT/log"
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
+    if ! timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log"; then
+        echo "== $name FAILED or timed out" | tee -a "$OUT/log"
+        status=1
+    fi
+}
+# the benchmark gates its own numbers on a correctness check, so it runs after red tests too
+step "GPU tests: depth_read_multi / depth_merge (large bf16 shapes)" 100 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k large_bf16
+step "block benchmark (per-site vs two-phase)" 110 \
+    python3 benchmarks/bench_depth_read.py --block --csv "$OUT/two_phase_block.csv"
+step "standard single-site rows, S=9, d=2048" 130 \
+    python3 benchmarks/bench_depth_read.py --widths 2048 --sources 9 --extra "" \
+        --csv "$OUT/depth_read.csv"
+echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
+exit $status
