@@ -363,7 +363,8 @@ def main():
     ap.add_argument("--extra", default="2048:33", help="more d:S pairs, comma separated")
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "depth_read.csv"))
-    ap.add_argument("--sweep", action="store_true", help="sweep kernel tiles first")
+    ap.add_argument("--sweep", action="store_true",
+                    help="sweep kernel tiles first (with --block: the phase-1 tiles)")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="time the kernels with and without next-source prefetch first")
     ap.add_argument("--block", action="store_true",
@@ -386,7 +387,7 @@ def main():
     meta = dict(date=datetime.date.today().isoformat(), gpu=gpu,
                 git_sha=git_sha(), torch=torch.__version__, triton=triton.__version__)
     print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
-    if args.sweep:
+    if args.sweep and not args.block:
         sweep(T, copy_tbps)
     if args.prefetch_ab:
         prefetch_ab(T, copy_tbps)
@@ -413,6 +414,29 @@ def main():
     summarize(rows)
 
 
+def block_sweep(T, d, K, copy_tbps):
+    """Two-phase block (S=9, sliced r=d/4) under phase-1 tiles: queries per kernel call
+    (each call reads the sources once) and warps per program."""
+    S, r = 9, d // 4
+    inp, grads = block_inputs(T, d, r, S, K, False, seed=7)
+    ref = block_fwd_bwd(block_two_phase, inp, grads)
+    nb = {"fwd": (S + 2 * K - 1) * T * d * 2, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2}
+    for group in (8, 4, 2):
+        for warps in (4, 8, 16):
+            kdr.TUNE.clear()
+            kdr.TUNE.update(multi_group=group, multi_warps=warps)
+            outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
+            err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
+            with torch.no_grad():
+                tf = bench(lambda: block_two_phase(**inp), rep=100)
+            tb = bench(lambda: block_fwd_bwd(block_two_phase, inp, grads), rep=150)
+            print(f"sweep block d={d} S={S} K={K} group={group} warps={warps}: fwd {tf:.3f} ms "
+                  f"{100 * nb['fwd'] / tf / 1e9 / copy_tbps:.1f}% fwd+bwd {tb:.3f} ms "
+                  f"{100 * nb['fwdbwd'] / tb / 1e9 / copy_tbps:.1f}% (vs default: {err:.1e})",
+                  flush=True)
+    kdr.TUNE.clear()
+
+
 def run_blocks(args, T, copy_tbps, meta):
     d, K = args.block_width, args.block_sites
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
@@ -427,6 +451,8 @@ def run_blocks(args, T, copy_tbps, meta):
                 kind = "sliced" if keys_kind == "attnres" else keys_kind
                 w.writerows(bench_block(T, d, r, S, K, kind, copy_tbps, meta))
                 f.flush()
+    if args.sweep:
+        block_sweep(T, d, K, copy_tbps)
 
 
 def summarize(rows):

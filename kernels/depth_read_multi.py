@@ -285,7 +285,7 @@ def depth_read_multi_triton(
     d, r = shape[-1], queries.shape[-1]
     vs = [_rows(v, d) for v in values]
     ks = [_rows(k, r) for k in keys] if keys is not None else []
-    group = max(1, MAX_TILE // triton.next_power_of_2(d))
+    group = _dr.TUNE.get("multi_group", max(1, MAX_TILE // triton.next_power_of_2(d)))
     outs: List[Tensor] = []
     lses: List[Tensor] = []
     for k0 in range(0, queries.shape[0], group):

@@ -31,11 +31,11 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a fai
     fi
 }
 # the benchmark gates its own numbers on a correctness check, so it runs after red tests too
-step "GPU tests: depth_read_multi / depth_merge (large bf16 shapes)" 100 \
+step "GPU tests: depth_read_multi / depth_merge (large bf16 shapes)" 90 \
     python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k large_bf16
-step "block benchmark (per-site vs two-phase)" 110 \
-    python3 benchmarks/bench_depth_read.py --block --csv "$OUT/two_phase_block.csv"
-step "standard single-site rows, S=9, d=2048" 130 \
+step "block benchmark (per-site vs two-phase, then a phase-1 tile sweep)" 150 \
+    python3 benchmarks/bench_depth_read.py --block --sweep --csv "$OUT/two_phase_block.csv"
+step "standard single-site rows, S=9, d=2048" 110 \
     python3 benchmarks/bench_depth_read.py --widths 2048 --sources 9 --extra "" \
         --csv "$OUT/depth_read.csv"
 echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
