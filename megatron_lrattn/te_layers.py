@@ -15,7 +15,11 @@ from contextlib import nullcontext
 
 from megatron.core.extensions.transformer_engine import TERowParallelLinear
 from megatron.core.fp8_utils import get_fp8_context
-from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+try:  # TE >= 2.8; older releases have it only in the (now deprecated) fp8 module
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+except ImportError:  # pragma: no cover - depends on the TE release
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
 from megatron_lrattn.layer import LRAttnResLayer
 
