@@ -49,6 +49,16 @@ def _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols,
 
 
 @triton.jit
+def _src(i, live, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d,
+         r, PROJECTED: tl.constexpr):
+    # (v [BT, BD], kf [BT, BR]) of source i; nothing is read unless ``live``
+    v = _load_value(i, v_tab, vs_tab, vref, rows64, m2 & live, cols)
+    kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask & live, rcols, d,
+                   r, PROJECTED)
+    return v, kf
+
+
+@triton.jit
 def _logits(kf, qk, r, eps, scale):
     # s: [BT, BK] scaled logits of every query; rstd: [BT] inverse key RMS
     rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
@@ -60,7 +70,7 @@ def _logits(kf, qk, r, eps, scale):
 def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, o_tab, vref, kref, oref, q_ptr, lse_ptr,
                 T, S, K, d, r, eps, scale,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BD: tl.constexpr, BR: tl.constexpr):
+                BD: tl.constexpr, BR: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -75,10 +85,19 @@ def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, o_tab, vref, kref, oref, q_ptr, ls
     m = tl.full([BT, BK], float("-inf"), tl.float32)
     l = tl.zeros([BT, BK], tl.float32)
     acc = tl.zeros([BT, BK, BD], tl.float32)
+    # PREFETCH: issue source i+1's loads before reducing source i (one program per SM
+    # holds K accumulators, so loads in flight are what limits bandwidth)
+    v_nx, kf_nx = _src(0, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2,
+                       cols, rcols, d, r, PROJECTED)
     for i in range(S):
-        v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-        kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols, d, r,
-                       PROJECTED)
+        if PREFETCH:
+            v, kf = v_nx, kf_nx
+            v_nx, kf_nx = _src(tl.minimum(i + 1, S - 1), i + 1 < S, v_tab, vs_tab, k_tab,
+                               ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d, r,
+                               PROJECTED)
+        else:
+            v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2,
+                         cols, rcols, d, r, PROJECTED)
         s, rstd = _logits(kf, qk, r, eps, scale)
         m_new = tl.maximum(m, s)
         alpha = tl.exp(m - m_new)
@@ -99,7 +118,7 @@ def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, o_tab, vref, kref, oref, q_ptr, ls
 def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vref, kref, gref,
                 q_ptr, lse_ptr, dlse_ptr, gq_part_ptr, T, S, K, d, r, eps, scale, n_blocks,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BD: tl.constexpr, BR: tl.constexpr):
+                BD: tl.constexpr, BR: tl.constexpr, PREFETCH: tl.constexpr):
     # persistent: program p owns token blocks p, p + P, ...; one [K, r] grad_q partial each
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -127,16 +146,30 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vre
         dlse = tl.load(dlse_ptr + lidx, mask=lk, other=0.0)
         # delta_k = sum_i a_ki <g_k, v_i> = <g_k, out_k>, exact (fp32 over the sources)
         delta = tl.zeros([BT, BK], tl.float32)
+        v_nx, kf_nx = _src(0, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                           m2, cols, rcols, d, r, PROJECTED)
         for i in range(S):
-            v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-            kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols,
-                           d, r, PROJECTED)
+            if PREFETCH:
+                v, kf = v_nx, kf_nx
+                v_nx, kf_nx = _src(tl.minimum(i + 1, S - 1), i + 1 < S, v_tab, vs_tab, k_tab,
+                                   ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d, r,
+                                   PROJECTED)
+            else:
+                v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                             m2, cols, rcols, d, r, PROJECTED)
             s, rstd = _logits(kf, qk, r, eps, scale)
             delta += tl.exp(s - lse) * tl.sum(g * v[:, None, :], axis=2)
+        v_nx, kf_nx = _src(0, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                           m2, cols, rcols, d, r, PROJECTED)
         for i in range(S):
-            v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-            kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols,
-                           d, r, PROJECTED)
+            if PREFETCH:
+                v, kf = v_nx, kf_nx
+                v_nx, kf_nx = _src(tl.minimum(i + 1, S - 1), i + 1 < S, v_tab, vs_tab, k_tab,
+                                   ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d, r,
+                                   PROJECTED)
+            else:
+                v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                             m2, cols, rcols, d, r, PROJECTED)
             s, rstd = _logits(kf, qk, r, eps, scale)
             a = tl.exp(s - lse)
             ds = a * (tl.sum(g * v[:, None, :], axis=2) - delta + dlse)  # [BT, BK]
@@ -173,6 +206,12 @@ def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     return bt, bk, bd, br, warps
 
 
+def _prefetch() -> bool:
+    # On by default (unlike the single read): one program per SM holds the K accumulators,
+    # so without it one source row per SM is in flight. Not yet measured on a GPU.
+    return bool(_dr.TUNE.get("multi_prefetch", 1))
+
+
 def _programs(n_blocks: int, dev: torch.device) -> int:
     if dev.type == "cuda":
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -199,7 +238,7 @@ def _forward(vs, ks, queries, eps, scale, split):
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, o_tab, vs[0], ks[0] if projected else vs[0], outs[0],
         queries, lse, T, len(vs), K, d, r, eps, scale,
-        PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, num_warps=warps)
+        PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, PREFETCH=_prefetch(), num_warps=warps)
     return outs, lse
 
 
@@ -226,7 +265,8 @@ def _backward(vs, ks, queries, lse, grads, dlse, eps, scale):
     _bwd_kernel[(nprog,)](
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vs[0], kref, gs[0],
         queries, lse, dlse.contiguous(), parts, T, len(vs), K, d, r, eps, scale, n_blocks,
-        PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, num_warps=warps)
+        PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, PREFETCH=_prefetch(),
+        num_warps=warps)
     return parts.sum(0), dvs, dks
 
 

@@ -274,3 +274,19 @@ def test_multi_parity_large_bf16(name):
 def test_merge_parity_large_bf16(name):
     T, d, r, S, _, projected = GPU_SHAPES[name]
     check_merge(T, d, r, S, torch.bfloat16, projected, "triton")
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_prefetch_does_not_change_results(projected, monkeypatch):
+    gen, values, keys, queries = make(9, 48, 12, 4, 3, torch.bfloat16, projected)
+    leaves = [queries, *values, *(keys or [])]
+    for t in leaves:
+        t.requires_grad_()
+    g = randn(gen, 3, 9, 48, dtype=torch.bfloat16)
+    runs = []
+    for pf in (0, 1):
+        monkeypatch.setitem(kdr.TUNE, "multi_prefetch", pf)
+        out, lse = depth_read_multi(values, queries, keys, backend="triton")
+        runs.append([out, lse, *torch.autograd.grad([out, lse], leaves, [g, lse])])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
