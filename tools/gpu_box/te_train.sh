@@ -2,9 +2,10 @@
 # On the GPU box after te_build.sh (same warm machine): the TE tests, then the 1b preset for
 # 100 iterations in four arms, one process each, one after another: the local spec, the TE
 # spec in bf16, and the TE spec with FP8 GEMMs (hybrid format) under delayed and under
-# current (tensorwise) scaling. Per-arm metrics: $OUT/te_<arm>.jsonl; table: $OUT/te_train.log
-# and $OUT/te_train_summary.json (median step time and tokens/s over iterations 11-100, mean
-# train loss of the last 10, validation loss at 100, peak memory).
+# current (tensorwise) scaling. Per-arm metrics: $OUT/te_<arm>.jsonl (also kept in
+# /tmp/te_runs); table: $OUT/te_train.log and $OUT/te_train_summary.json over every arm in
+# /tmp/te_runs (median step time and tokens/s over iterations 11-100, mean train loss of the
+# last 10, validation loss at 100, peak memory), so arms split over calls share one table.
 #   GIT_SHA=<sha> bash tools/gpu_box/te_train.sh      carry: the megatron-core wheel (.whl/)
 # RESIDUAL=standard|attnres|lr_attnres (default lr_attnres, sliced keys r = d/4, N = 8);
 # ARMS="local te_bf16 te_fp8_delayed te_fp8_tensorwise" picks arms; TE_TESTS=0 skips pytest.
@@ -13,7 +14,8 @@ OUT=${OUT:-/tmp/lrattn_out}
 RESIDUAL=${RESIDUAL:-lr_attnres}
 ARMS=${ARMS:-local te_bf16 te_fp8_delayed te_fp8_tensorwise}
 [ -f /tmp/te_env.sh ] || { echo "te_train: /tmp/te_env.sh missing: run te_build.sh first"; exit 2; }
-mkdir -p "$OUT" /tmp/lrattn_pk
+RUNS=/tmp/te_runs
+mkdir -p "$OUT" /tmp/lrattn_pk "$RUNS"
 ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/lrattn_site .whl/megatron_core-*.whl
@@ -43,17 +45,19 @@ declare -A ARM_FLAGS=(
 for arm in $ARMS; do
     echo "== $arm: ${ARM_FLAGS[$arm]}" | tee -a "$log"
     # shellcheck disable=SC2086
+    rm -f "$RUNS/te_$arm.jsonl"
     python3 -m megatron_lrattn.cli.pretrain "${COMMON[@]}" ${ARM_FLAGS[$arm]} \
-        --log-json "$OUT/te_$arm.jsonl" >"$OUT/te_$arm.out" 2>&1 \
+        --log-json "$RUNS/te_$arm.jsonl" >"$OUT/te_$arm.out" 2>&1 \
         || echo "ARM $arm FAILED (exit $?): $(grep -v -i warn "$OUT/te_$arm.out" | tail -3)" | tee -a "$log"
     grep -v -i warn "$OUT/te_$arm.out" | tail -2 | tee -a "$log"
+    [ -f "$RUNS/te_$arm.jsonl" ] && cp "$RUNS/te_$arm.jsonl" "$OUT/"
 done
-python3 - "$OUT" $ARMS <<'PY' | tee -a "$log"
+python3 - "$RUNS" "$OUT" local te_bf16 te_fp8_delayed te_fp8_tensorwise <<'PY' | tee -a "$log"
 import json, os, statistics, sys
-out, arms = sys.argv[1], sys.argv[2:]
-rows, base = {}, None
+runs, out, arms = sys.argv[1], sys.argv[2], sys.argv[3:]
+rows = {}
 for arm in arms:
-    path = os.path.join(out, f"te_{arm}.jsonl")
+    path = os.path.join(runs, f"te_{arm}.jsonl")
     if not os.path.isfile(path):
         continue
     recs = [json.loads(l) for l in open(path)]
