@@ -122,6 +122,9 @@ def _te_layer_spec(config, qk_layernorm: bool, core_attention: str) -> ModuleSpe
     if core_attention != "auto":
         raise ValueError(f"core_attention={core_attention!r} applies to backend='local'; the "
                          "TE spec uses TEDotProductAttention")
+    if config.projected_keys and getattr(config, "tp_comm_overlap", False):
+        raise ValueError("tp_comm_overlap with projected keys: TE's communication buffers are "
+                         "sized for d output rows, the key-emitting projections have d + r")
     te_compat.check_fp8_config(config)
     te_compat.require_te()
     from megatron.core.models.gpt.gpt_layer_specs import (

@@ -68,7 +68,8 @@ def test_local_backend_is_untouched_and_unknown_backends_refused():
 def test_fp8_needs_te_and_shapes_and_recipes_it_accepts():
     """FP8 settings are refused before any TE import: with the local spec, with recipes
     other than delayed/tensorwise, with fp8_param, and with GEMM widths TE's FP8 kernels
-    refuse (projected keys add r rows to the output projections)."""
+    refuse (projected keys add r rows to the output projections); so are TE's
+    communication-overlap buffers with projected keys."""
     ok = _config("lr_attnres", {"key": "projected", "rank": 8, "num_blocks": 4}, fp8="hybrid")
     with pytest.raises(ValueError, match="fp8='hybrid' needs backend='te'"):
         get_lr_attnres_layer_spec(ok)
@@ -82,6 +83,9 @@ def test_fp8_needs_te_and_shapes_and_recipes_it_accepts():
     with pytest.raises(ValueError, match="fp8_param"):
         te_compat.check_fp8_config(dataclasses.replace(ok, fp8_param=True))
     te_compat.check_fp8_config(dataclasses.replace(ok, fp8=None, rank=4))
+    with pytest.raises(ValueError, match="tp_comm_overlap with projected keys"):
+        get_lr_attnres_layer_spec(dataclasses.replace(ok, fp8=None, tp_comm_overlap=True),
+                                  backend="te")
 
 
 def test_fp8_shape_problems_of_the_presets():
