@@ -317,7 +317,8 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
     ref = block_fwd_bwd(block_per_site(depth_read_torch), up, [g.float() for g in grads])
     del up
     kb = (S + K - 1) * T * r * 2 if projected else 0
-    nbytes = {"fwd": (S + 2 * K - 1) * T * d * 2 + kb, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2 + 3 * kb}
+    nbytes = {"fwd": (S + 2 * K - 1) * T * d * 2 + kb,
+              "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2 + 3 * kb}
     rows = []
     for name, fn, tol in (("per_site", block_per_site(kdr.depth_read_triton), TOL_BF16),
                           ("two_phase", block_two_phase, 2 * TOL_BF16)):
@@ -343,9 +344,10 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
         t_fb = bench(lambda: block_fwd_bwd(fn, inp, grads), rep=300)
         for p, ms in (("fwd", t_fwd), ("fwdbwd", t_fb)):
             tbps = nbytes[p] / ms / 1e9
-            rows.append(dict(row, **{"pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
-                                     "tbps": f"{tbps:.3f}", "pct_copy": f"{100 * tbps / copy_tbps:.1f}",
-                                     "peak_mib": f"{peak:.0f}" if p == "fwdbwd" else ""}))
+            rows.append(dict(row, **{
+                "pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
+                "tbps": f"{tbps:.3f}", "pct_copy": f"{100 * tbps / copy_tbps:.1f}",
+                "peak_mib": f"{peak:.0f}" if p == "fwdbwd" else ""}))
         print(f"  {name}: fwd {t_fwd:.3f} ms ({100 * nbytes['fwd'] / t_fwd / 1e9 / copy_tbps:.1f}%)"
               f" fwd+bwd {t_fb:.3f} ms ({100 * nbytes['fwdbwd'] / t_fb / 1e9 / copy_tbps:.1f}%)"
               f" peak {peak:.0f} MiB  check {row['check']}", flush=True)

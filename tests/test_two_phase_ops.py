@@ -43,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 needs_cuda = pytest.mark.skipif(not CUDA, reason="large shapes need a CUDA GPU (GPU box)")
 BACKENDS = ["torch", "triton"]
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 # A merged read is rounded twice (the phase-1 output is stored in the activation dtype, then
 # merged), and the interpreter converts fp32 to bf16 by truncation (the GPU rounds to
 # nearest): merged results get twice the table.
@@ -78,7 +78,7 @@ def up(ts):
 
 
 def assert_table(errs, dtype, factor=1.0):
-    tol = TOL[dtype] * (1.0 if dtype == torch.float32 else factor)
+    tol = TOL[dtype] * (1.0 if dtype in (torch.float32, torch.float64) else factor)
     bad = {k: e for k, e in errs.items() if not e <= tol}
     assert not bad, f"errors over {tol:.0e}: {bad}"
 
@@ -100,7 +100,8 @@ def check_multi(T, d, r, S, K, dtype, projected, backend, split=False, lead=()):
                                               ref_leaves[S + 1:] if projected else None)
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_leaves, [g_out.double(),
                                                                     g_lse.double()])
-    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64
+                                                else torch.float32)
     assert out.shape == (K, *lead, T, d) and lse.shape == (K, *lead, T)
     names = ["queries"] + [f"values[{i}]" for i in range(S)] + [
         f"keys[{i}]" for i in range(S if projected else 0)]
@@ -187,6 +188,12 @@ MERGE = {
 def test_merge_equals_read_over_sources_and_partial(name, dtype, backend):
     T, d, r, S, projected = MERGE[name]
     check_merge(T, d, r, S, dtype, projected, backend)
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_torch_reference_in_float64(projected):
+    check_multi(7, 24, 8, 3, 4, torch.float64, projected, "torch")
+    check_merge(7, 24, 8, 3, torch.float64, projected, "torch")
 
 
 def test_multi_rows_equal_single_site_reads_and_query_groups(monkeypatch):

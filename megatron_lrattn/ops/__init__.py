@@ -178,7 +178,8 @@ def depth_merge(
     """
     _check([out, partial], query, None if partial_key is None else [partial_key, partial_key])
     if lse.shape != out.shape[:-1]:
-        raise ValueError(f"depth_merge: lse is {tuple(lse.shape)}, expected {tuple(out.shape[:-1])}")
+        raise ValueError(f"depth_merge: lse is {tuple(lse.shape)}, expected "
+                         f"{tuple(out.shape[:-1])}")
     if _resolve(backend, partial, "depth_merge") == "triton":
         from lrattn_kernels.depth_merge import depth_merge_triton
 

@@ -66,8 +66,8 @@ def depth_merge_torch(
     lse = lse.to(l_p.dtype)
     m = torch.maximum(lse, l_p)
     w_o, w_p = torch.exp(lse - m), torch.exp(l_p - m)
-    h = (w_o.unsqueeze(-1) * _acc(out) + w_p.unsqueeze(-1) * _acc(partial)) / (w_o + w_p).unsqueeze(-1)
-    return h.to(partial.dtype)
+    w_o, w_p, total = w_o.unsqueeze(-1), w_p.unsqueeze(-1), (w_o + w_p).unsqueeze(-1)
+    return ((w_o * _acc(out) + w_p * _acc(partial)) / total).to(partial.dtype)
 
 
 def depth_read_multi_naive(
