@@ -291,6 +291,15 @@ def test_te_model_matches_local_model_with_the_same_weights(mode, depth):
     _need_te_cuda()
     cfg = _config(mode, depth)
     local, te = _build_cuda(cfg, "local"), _build_cuda(cfg, "te", seed=7)
+    layer = te.decoder.layers[0]
+    assert type(layer).__name__ == ("TransformerLayer" if mode == "standard"
+                                    else "TELRAttnResLayer")
+    assert type(layer.input_layernorm).__name__ == "IdentityOp"
+    assert type(layer.self_attention.linear_qkv).__name__ == "TELayerNormColumnParallelLinear"
+    assert type(layer.mlp.linear_fc1).__name__ == "TELayerNormColumnParallelLinear"
+    extra = cfg.rank if cfg.projected_keys else 0
+    assert layer.mlp.linear_fc2.weight.shape[0] == cfg.hidden_size + extra
+    assert layer.self_attention.linear_proj.weight.shape[0] == cfg.hidden_size + extra
     assert ({v.key for v in local.sharded_state_dict().values()}
             == {v.key for v in te.sharded_state_dict().values()})
     te_compat.load_state_dict_across_specs(te, local.state_dict())
