@@ -79,6 +79,12 @@ PY
 )
     cuda_home=$(sed -n 1p <<<"$paths") headers=$(sed -n 2p <<<"$paths")
     echo "CUDA_HOME=${cuda_home:-none}; CPATH += $headers"
+    for h in cuda_runtime.h cublas_v2.h nvrtc.h cudnn.h nccl.h; do
+        found=$(IFS=:; for d in ${cuda_home:+$cuda_home/include} $headers; do
+            [ -f "$d/$h" ] && { echo "$d"; break; }; done)
+        echo "  $h: ${found:-NOT FOUND (the compile will stop here)}"
+    done
+    python3 -c "import os, sysconfig; p = sysconfig.get_paths()['include']; print('  Python.h:', p if os.path.isfile(os.path.join(p, 'Python.h')) else 'NOT FOUND (python3-dev missing)')"
     start=$(date +%s)
     env ${cuda_home:+CUDA_HOME="$cuda_home"} CPATH="$headers${CPATH:+:$CPATH}" \
         PYTHONPATH="${build_path:+$build_path:}${PYTHONPATH:-}" \
