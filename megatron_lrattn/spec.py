@@ -1,5 +1,6 @@
 """Layer and block specs: stock megatron-core modules plus our layer, key-emitting
-projections, SDPA core attention and a sequence-parallel-aware PyTorch norm."""
+projections, SDPA core attention and a sequence-parallel-aware PyTorch norm; or, with
+``backend="te"``, megatron-core's Transformer Engine modules (TE imported only then)."""
 
 from __future__ import annotations
 
