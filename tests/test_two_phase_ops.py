@@ -69,7 +69,8 @@ def make(T, d, r, S, K, dtype, projected, seed=0, lead=()):
     shape = (*lead, T)
     values = [(randn(gen, *shape, d, dtype=dtype) * (0.5 + i % 3)) for i in range(S)]
     keys = [randn(gen, *shape, r, dtype=dtype) for _ in range(S)] if projected else None
-    queries = randn(gen, K, r) * (2.0 / r**0.5)
+    qdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    queries = randn(gen, K, r, dtype=qdtype) * (2.0 / r**0.5)
     return gen, values, keys, queries
 
 
