@@ -113,12 +113,13 @@ class DepthState:
             site: global read-site number; with ``use_two_phase`` it selects the two-phase
                 path (``query`` must then be the query registered for ``site``).
 
-        Runs inside ``torch.profiler.record_function("depth_read")`` (two-phase:
-        ``depth_read_multi`` and ``depth_merge``) so that profiles (``lrattn-profile``)
-        can attribute the forward of every read site.
+        Runs inside ``torch.profiler.record_function("depth_read")`` (two-phase: with
+        ``depth_read_multi`` and ``depth_merge`` ranges inside) so that profiles
+        (``lrattn-profile``) can attribute the forward of every read site.
         """
         if site is not None and self._schedule is not None:
-            return self._read_two_phase(query, config, site)
+            with torch.profiler.record_function("depth_read"):
+                return self._read_two_phase(query, config, site)
         values, keys = self.sources()
         with torch.profiler.record_function("depth_read"):
             return depth_read(
