@@ -123,9 +123,9 @@ def capture_depth_reads(callback: Callable[[int, DepthState, Tensor], None]) -> 
     """
     original = DepthState.read
 
-    def read(self, query, config):
+    def read(self, query, config, site=None):
         callback(self.num_sublayers_done, self, query)
-        return original(self, query, config)
+        return original(self, query, config, site=site)
 
     DepthState.read = read
     try:
