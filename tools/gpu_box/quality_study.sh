@@ -7,6 +7,7 @@
 # tokenized with the embedded BPE tokenizer; 2% of the documents are held out. Every run's
 # JSON-lines log lands in $OUT/study/; depth-routing analyses of the seed-1 checkpoints in
 # $OUT/study/analyze_<arm>/. Then: python tools/study_report.py <that folder>.
+# SCHEDULE sets --depth-schedule (default per_site).
 set -uo pipefail
 OUT=${OUT:-/tmp/lrattn_out}
 SEEDS=${SEEDS:-"1 2 3"}
@@ -65,6 +66,7 @@ for seed in $SEEDS; do
         CUDA_VISIBLE_DEVICES=$gpu python3 -m megatron_lrattn.cli.pretrain --preset study-25m \
             ${ARM[$arm]} --seed "$seed" --train-iters "$ITERS" --data-path "$prefix" \
             --tokenizer-model "$tok" --split 98,2,0 --no-progress "${save[@]}" \
+            --depth-schedule "${SCHEDULE:-per_site}" \
             --log-json "$OUT/study/${arm}_seed$seed.jsonl" \
             >"/tmp/study/${arm}_seed$seed.out" 2>&1 &
         pids+=($!)
