@@ -423,16 +423,19 @@ def block_sweep(T, d, K, copy_tbps):
     inp, grads = block_inputs(T, d, r, S, K, False, seed=7)
     ref = block_fwd_bwd(block_two_phase, inp, grads)
     nb = {"fwd": (S + 2 * K - 1) * T * d * 2, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2}
-    for group, warps, prefetch in ((8, 16, 1), (8, 16, 0), (8, 8, 1), (4, 16, 1), (4, 8, 1),
-                                   (2, 8, 1), (2, 4, 1)):
+    for group, warps, pf, bpf in ((8, 16, 2, 1), (8, 16, 0, 0), (8, 16, 1, 1), (8, 16, 3, 2),
+                                  (4, 8, 2, 1), (4, 16, 2, 1), (2, 8, 2, 1)):
         kdr.TUNE.clear()
-        kdr.TUNE.update(multi_group=group, multi_warps=warps, multi_prefetch=prefetch)
+        kdr.TUNE.update(multi_group=group, multi_warps=warps, multi_prefetch=pf,
+                        multi_bwd_prefetch=bpf)
+        prefetch = f"{pf}/{bpf}"
         outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
         err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
         with torch.no_grad():
             tf = bench(lambda: block_two_phase(**inp), rep=100)
         tb = bench(lambda: block_fwd_bwd(block_two_phase, inp, grads), rep=150)
-        print(f"sweep block d={d} S={S} K={K} group={group} warps={warps} prefetch={prefetch}: "
+        print(f"sweep block d={d} S={S} K={K} group={group} warps={warps} "
+              f"prefetch fwd/bwd={prefetch}: "
               f"fwd {tf:.3f} ms {100 * nb['fwd'] / tf / 1e9 / copy_tbps:.1f}% fwd+bwd {tb:.3f} ms "
               f"{100 * nb['fwdbwd'] / tb / 1e9 / copy_tbps:.1f}% (vs default: {err:.1e})",
               flush=True)

@@ -59,6 +59,50 @@ def _src(i, live, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2, c
 
 
 @triton.jit
+def _ring_init(S, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d,
+               r, PROJECTED: tl.constexpr, DEPTH: tl.constexpr):
+    # tiles of sources 0..DEPTH-1 issued ahead (unused slots alias slot 1, nothing read)
+    v1, k1 = _src(0, DEPTH >= 1, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2,
+                  cols, rcols, d, r, PROJECTED)
+    v2, k2 = v1, k1
+    v3, k3 = v1, k1
+    if DEPTH >= 2:
+        v2, k2 = _src(tl.minimum(1, S - 1), 1 < S, v_tab, vs_tab, k_tab, ks_tab, vref, kref,
+                      rows64, rmask, m2, cols, rcols, d, r, PROJECTED)
+    if DEPTH >= 3:
+        v3, k3 = _src(tl.minimum(2, S - 1), 2 < S, v_tab, vs_tab, k_tab, ks_tab, vref, kref,
+                      rows64, rmask, m2, cols, rcols, d, r, PROJECTED)
+    return v1, k1, v2, k2, v3, k3
+
+
+@triton.jit
+def _ring_next(i, S, v1, k1, v2, k2, v3, k3, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+               rmask, m2, cols, rcols, d, r, PROJECTED: tl.constexpr, DEPTH: tl.constexpr):
+    # source i's tiles; the ring advances by one and issues source i + DEPTH (prefetch: one
+    # program per SM holds K accumulators, so loads in flight are what limits bandwidth)
+    j = tl.minimum(i + DEPTH, S - 1)
+    live = i + DEPTH < S
+    if DEPTH == 0:
+        v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2,
+                     cols, rcols, d, r, PROJECTED)
+    else:
+        v, kf = v1, k1
+        if DEPTH == 1:
+            v1, k1 = _src(j, live, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                          m2, cols, rcols, d, r, PROJECTED)
+        elif DEPTH == 2:
+            v1, k1 = v2, k2
+            v2, k2 = _src(j, live, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                          m2, cols, rcols, d, r, PROJECTED)
+        else:
+            v1, k1 = v2, k2
+            v2, k2 = v3, k3
+            v3, k3 = _src(j, live, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
+                          m2, cols, rcols, d, r, PROJECTED)
+    return v, kf, v1, k1, v2, k2, v3, k3
+
+
+@triton.jit
 def _logits(kf, qk, r, eps, scale):
     # s: [BT, BK] scaled logits of every query; rstd: [BT] inverse key RMS
     rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
@@ -85,19 +129,13 @@ def _fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, o_tab, vref, kref, oref, q_ptr, ls
     m = tl.full([BT, BK], float("-inf"), tl.float32)
     l = tl.zeros([BT, BK], tl.float32)
     acc = tl.zeros([BT, BK, BD], tl.float32)
-    # PREFETCH: issue source i+1's loads before reducing source i (one program per SM
-    # holds K accumulators, so loads in flight are what limits bandwidth)
-    v_nx, kf_nx = _src(0, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2,
-                       cols, rcols, d, r, PROJECTED)
+    # PREFETCH: sources issued ahead of the one being reduced (0..3)
+    v1, k1, v2, k2, v3, k3 = _ring_init(S, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                          rmask, m2, cols, rcols, d, r, PROJECTED, PREFETCH)
     for i in range(S):
-        if PREFETCH:
-            v, kf = v_nx, kf_nx
-            v_nx, kf_nx = _src(tl.minimum(i + 1, S - 1), i + 1 < S, v_tab, vs_tab, k_tab,
-                               ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d, r,
-                               PROJECTED)
-        else:
-            v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, m2,
-                         cols, rcols, d, r, PROJECTED)
+        v, kf, v1, k1, v2, k2, v3, k3 = _ring_next(
+            i, S, v1, k1, v2, k2, v3, k3, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+            rmask, m2, cols, rcols, d, r, PROJECTED, PREFETCH)
         s, rstd = _logits(kf, qk, r, eps, scale)
         m_new = tl.maximum(m, s)
         alpha = tl.exp(m - m_new)
@@ -146,30 +184,20 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vre
         dlse = tl.load(dlse_ptr + lidx, mask=lk, other=0.0)
         # delta_k = sum_i a_ki <g_k, v_i> = <g_k, out_k>, exact (fp32 over the sources)
         delta = tl.zeros([BT, BK], tl.float32)
-        v_nx, kf_nx = _src(0, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
-                           m2, cols, rcols, d, r, PROJECTED)
+        v1, k1, v2, k2, v3, k3 = _ring_init(S, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                              rmask, m2, cols, rcols, d, r, PROJECTED, PREFETCH)
         for i in range(S):
-            if PREFETCH:
-                v, kf = v_nx, kf_nx
-                v_nx, kf_nx = _src(tl.minimum(i + 1, S - 1), i + 1 < S, v_tab, vs_tab, k_tab,
-                                   ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d, r,
-                                   PROJECTED)
-            else:
-                v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
-                             m2, cols, rcols, d, r, PROJECTED)
+            v, kf, v1, k1, v2, k2, v3, k3 = _ring_next(
+                i, S, v1, k1, v2, k2, v3, k3, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                rmask, m2, cols, rcols, d, r, PROJECTED, PREFETCH)
             s, rstd = _logits(kf, qk, r, eps, scale)
             delta += tl.exp(s - lse) * tl.sum(g * v[:, None, :], axis=2)
-        v_nx, kf_nx = _src(0, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
-                           m2, cols, rcols, d, r, PROJECTED)
+        v1, k1, v2, k2, v3, k3 = _ring_init(S, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                              rmask, m2, cols, rcols, d, r, PROJECTED, PREFETCH)
         for i in range(S):
-            if PREFETCH:
-                v, kf = v_nx, kf_nx
-                v_nx, kf_nx = _src(tl.minimum(i + 1, S - 1), i + 1 < S, v_tab, vs_tab, k_tab,
-                                   ks_tab, vref, kref, rows64, rmask, m2, cols, rcols, d, r,
-                                   PROJECTED)
-            else:
-                v, kf = _src(i, True, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask,
-                             m2, cols, rcols, d, r, PROJECTED)
+            v, kf, v1, k1, v2, k2, v3, k3 = _ring_next(
+                i, S, v1, k1, v2, k2, v3, k3, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                rmask, m2, cols, rcols, d, r, PROJECTED, PREFETCH)
             s, rstd = _logits(kf, qk, r, eps, scale)
             a = tl.exp(s - lse)
             ds = a * (tl.sum(g * v[:, None, :], axis=2) - delta + dlse)  # [BT, BK]
@@ -206,10 +234,13 @@ def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     return bt, bk, bd, br, warps
 
 
-def _prefetch() -> bool:
-    # On by default (unlike the single read): one program per SM holds the K accumulators,
-    # so without it one source row per SM is in flight. Not yet measured on a GPU.
-    return bool(_dr.TUNE.get("multi_prefetch", 1))
+def _prefetch(backward: bool = False) -> int:
+    """Sources issued ahead (0..3). On by default, unlike the single read: one program per
+    SM holds the K accumulators, so without it one source row per SM is in flight. The
+    backward is at its register limit already. Not yet measured on a GPU."""
+    if backward:
+        return int(_dr.TUNE.get("multi_bwd_prefetch", 1))
+    return int(_dr.TUNE.get("multi_prefetch", 2))
 
 
 def _programs(n_blocks: int, dev: torch.device) -> int:
@@ -265,7 +296,7 @@ def _backward(vs, ks, queries, lse, grads, dlse, eps, scale):
     _bwd_kernel[(nprog,)](
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vs[0], kref, gs[0],
         queries, lse, dlse.contiguous(), parts, T, len(vs), K, d, r, eps, scale, n_blocks,
-        PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, PREFETCH=_prefetch(),
+        PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, PREFETCH=_prefetch(backward=True),
         num_warps=warps)
     return parts.sum(0), dvs, dks
 
