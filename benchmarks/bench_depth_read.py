@@ -168,7 +168,7 @@ def check(fn, vals, query, keys, grad, ref):
     return max(errs)
 
 
-def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False):
+def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False, compile_peer=True):
     projected = keys_kind == "projected"
     vals, query, keys, grad = make(T, d, r, S, projected, seed=d + S + r)
     up = [v.float() for v in vals]
@@ -179,7 +179,7 @@ def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False):
     nbytes = {"fwd": (S + 1) * T * d * 2 + kbytes, "fwdbwd": (3 * S + 2) * T * d * 2 + 3 * kbytes}
     min_mib = (S + 1) * T * d * 2 / 2**20 + kbytes / 2**20
     rows = []
-    fns = backends(S == 9 and d >= 2048 and not projected and DEVICE == "cuda")
+    fns = backends(compile_peer and S == 9 and d >= 2048 and not projected and DEVICE == "cuda")
     for name, fn in fns.items():
         row = dict(meta, T=T, d=d, S=S, r=r, keys=keys_kind, backend=name, copy_tbps=f"{copy_tbps:.3f}",
                    min_mib=f"{min_mib:.0f}")
@@ -375,6 +375,10 @@ def main():
     ap.add_argument("--block-sources", type=int, nargs="+", default=[5, 9],
                     help="completed sources S before the block")
     ap.add_argument("--block-sites", type=int, default=6, help="read sites K of the block")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="with --block --sweep: the sweep without the block rows")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out the torch.compile peer (it compiles for every shape)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run of the harness logic under TRITON_INTERPRET=1 (no real timings)")
     args = ap.parse_args()
@@ -409,7 +413,8 @@ def main():
             for keys_kind, r in (("sliced", d // 4), ("sliced", d), ("projected", d // 4)):
                 label = "attnres" if r == d else keys_kind
                 print(f"T={T} d={d} S={S} r={r} {label}", flush=True)
-                shape_rows = bench_shape(T, d, r, S, keys_kind, copy_tbps, meta)
+                shape_rows = bench_shape(T, d, r, S, keys_kind, copy_tbps, meta,
+                                         compile_peer=not args.no_compile)
                 w.writerows(shape_rows)
                 f.flush()
                 rows += shape_rows
@@ -450,7 +455,7 @@ def run_blocks(args, T, copy_tbps, meta):
         w = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
             w.writeheader()
-        for S in args.block_sources:
+        for S in [] if args.sweep_only else args.block_sources:
             for keys_kind, r in (("sliced", d // 4), ("attnres", d), ("projected", d // 4)):
                 print(f"block T={T} d={d} S={S} K={K} r={r} {keys_kind}", flush=True)
                 kind = "sliced" if keys_kind == "attnres" else keys_kind
