@@ -135,7 +135,8 @@ def depth_read_multi(
 
     Returns:
         (out, lse): out [K, ..., d] in the values' dtype (a list of K tensors when
-        ``split``); lse [K, ...] fp32 log-sum-exp of the scaled logits.
+        ``split``); lse [K, ...] fp32 log-sum-exp of the scaled logits (float64 for
+        float64 inputs on the torch backend).
     """
     if queries.dim() != 2 or queries.shape[0] == 0:
         raise ValueError(f"depth_read_multi: queries must be [K, r] with K >= 1, got "
