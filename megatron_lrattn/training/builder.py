@@ -76,6 +76,7 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         key_norm_eps=args.key_norm_eps,
         depth_scale=args.depth_scale,
         depth_backend=args.depth_backend,
+        depth_schedule=getattr(args, "depth_schedule", "auto"),
     )
 
 
