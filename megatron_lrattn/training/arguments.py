@@ -63,8 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth-backend", choices=DEPTH_BACKENDS, default="auto")
     g.add_argument("--depth-schedule", choices=DEPTH_SCHEDULES, default="auto",
                    help="per_site reads, two_phase block reads (phase 1 once per block + "
-                        "online-softmax merge per site), or auto (two_phase with the fused "
-                        "kernels on CUDA, per_site otherwise)")
+                        "online-softmax merge per site; experimental), or auto (per_site)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=positive_int)
