@@ -62,6 +62,10 @@ def rel_rms(x, ref):
 def git_sha():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     try:
+        top = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=root,
+                                      text=True, stderr=subprocess.DEVNULL).strip()
+        if os.path.realpath(top) != os.path.realpath(root):  # an exported copy inside a checkout
+            raise OSError(top)
         sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                                       stderr=subprocess.DEVNULL)
         dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "kernels", "benchmarks"],

@@ -137,6 +137,11 @@ def provenance() -> Dict[str, str]:
     """Git SHA (with a dirty flag), versions and host, for the start of every run log."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root,
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            # not a checkout of its own (an exported copy, perhaps inside another checkout)
+            raise OSError("no git checkout at " + root)
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                              capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
@@ -144,7 +149,7 @@ def provenance() -> Dict[str, str]:
         sha = sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         sha = ""
-    # A copy without .git (e.g. a GPU test machine) names its commit in GIT_SHA.
+    # A copy that is not a checkout (e.g. on a GPU test machine) names its commit in GIT_SHA.
     sha = sha if sha and sha != "-dirty" else os.environ.get("GIT_SHA", "unknown")
     try:
         from megatron.core import __version__ as mcore
