@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 DEPTH_READ_RANGE = "depth_read"
 """The ``record_function`` name around every depth read (``DepthState.read``)."""
 
-_BACKWARD_NODES = ("_DepthReadBackward", "_DepthReadTritonBackward")
+_BACKWARD_NODES = ("_DepthReadBackward", "_DepthReadTritonBackward",
+                   "_DepthReadMultiTritonBackward", "_DepthMergeTritonBackward")
 
 TOP_OPS = 12
 """How many of the profiled step's most expensive kernels/operators each arm reports."""
@@ -181,15 +182,19 @@ def timed_step(run: ArmRun, batches) -> None:
 
 def depth_read_kernel_names() -> List[str]:
     """Names of the fused depth-read GPU kernels (the Triton ``@jit`` functions of
-    ``lrattn_kernels.depth_read`` whose names end in ``kernel``); empty without Triton."""
+    ``lrattn_kernels.depth_read``, ``depth_read_multi`` and ``depth_merge`` (two-phase
+    schedule) whose names end in ``kernel``); empty without Triton."""
     try:
         import triton
-        from lrattn_kernels import depth_read as k
+        from lrattn_kernels import depth_merge, depth_read, depth_read_multi
     except ImportError:
         return []
-    jitted = (getattr(v, "fn", None) for v in vars(k).values()
-              if isinstance(v, triton.runtime.jit.KernelInterface))
-    return sorted(f.__name__ for f in jitted if f is not None and f.__name__.endswith("kernel"))
+    names = set()
+    for k in (depth_read, depth_read_multi, depth_merge):
+        jitted = (getattr(v, "fn", None) for v in vars(k).values()
+                  if isinstance(v, triton.runtime.jit.KernelInterface))
+        names.update(f.__name__ for f in jitted if f is not None and f.__name__.endswith("kernel"))
+    return sorted(names)
 
 
 def device_kernel_times_us(prof) -> Dict[str, float]:
