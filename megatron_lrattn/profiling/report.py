@@ -136,8 +136,9 @@ def write_plot(path: str, report: Dict[str, object]) -> bool:
         ax.set_title(title, fontsize=10)
     s = report["settings"]
     prov = report["provenance"]
+    vp = f" VP{s['virtual_stages']}" if s.get("virtual_stages") else ""
     fig.suptitle(f"lrattn-profile {s['preset']}: {prov['device']} x{s['world_size']} "
-                 f"(TP{s['tp']} PP{s['pp']} DP{s['dp']}), seq {s['seq_length']}, "
+                 f"(TP{s['tp']} PP{s['pp']}{vp} DP{s['dp']}), seq {s['seq_length']}, "
                  f"{s['tokens_per_step']} tokens/step, git {prov['git_sha']}", fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
