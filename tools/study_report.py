@@ -114,11 +114,12 @@ def plot(runs: Dict[str, Dict[int, List[dict]]], summary: dict, path: Path) -> b
     for ax in (ax_t, ax_v):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    # the late part of training is where the arms separate
+    # show the late part of training for every arm (the first steps are far above it)
     finals = [a["mean"] for a in summary["arms"].values() if a["mean"] is not None]
     if finals:
-        ax_v.set_ylim(min(finals) - 0.1, min(finals) + 1.0)
-        ax_t.set_ylim(min(finals) - 0.4, min(finals) + 1.2)
+        spread = max(finals) - min(finals)
+        ax_v.set_ylim(min(finals) - 0.1 - 0.05 * spread, max(finals) + 0.3 + 0.3 * spread)
+        ax_t.set_ylim(min(finals) - 0.4 - 0.05 * spread, max(finals) + 0.5 + 0.3 * spread)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
