@@ -5,18 +5,7 @@
 #   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/model_gpu.sh
 # TINY_MODES="" skips the tiny-preset runs.
 set -euo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
-mkdir -p "$OUT" /tmp/lrattn_pk
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/lrattn_site .whl/megatron_core-*.whl
-export PYTHONPATH="$PWD:/tmp/lrattn_pk:/tmp/lrattn_site" PYTHONUNBUFFERED=1
-export LRATTN_CACHE=/tmp/lrattn_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ)"
-} 2>&1 | tee "$OUT/log"
+source "$(dirname "$0")/common.sh"
 train() { python3 -m megatron_lrattn.cli.pretrain --no-progress "$@"; }
 for mode in ${TINY_MODES-standard attnres lr_attnres}; do
     echo "== tiny preset, $mode, CUDA bf16" | tee -a "$OUT/log"

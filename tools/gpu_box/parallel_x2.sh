@@ -5,24 +5,13 @@
 #     fresh TP or PP run initialises other weights than one GPU does);
 #  2. determinism: the one-GPU run twice with --deterministic, once on each GPU, same seed;
 #  3. lrattn-profile with PP=2 and 2 virtual stages per rank (interleaved schedule).
-#   GIT_SHA=<sha> bash tools/gpu_box/parallel_x2.sh      (carry .whl/: megatron-core wheel)
+#   GIT_SHA=<sha> bash tools/gpu_box/parallel_x2.sh      (carry .whl/: the megatron-core wheel)
 # STEPS=(curves profile) selects parts; PRESET (1b) and VPL (layers per virtual stage, 4)
 # allow a CPU smoke run (PRESET=tiny VPL=1); SCHEDULE sets --depth-schedule (per_site). Logs, JSON lines and the profile JSON/PNG land in $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
 STEPS=${STEPS:-"curves profile"}
-mkdir -p "$OUT" /tmp/lrattn_pk
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-[ -n "${NO_WHEEL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/lrattn_site .whl/megatron_core-*.whl || exit 1
-export PYTHONPATH="$PWD:/tmp/lrattn_pk:/tmp/lrattn_site" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-export LRATTN_CACHE=/tmp/lrattn_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-log() { echo "$@" | tee -a "$OUT/log"; }
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ)"
-} 2>&1 | tee -a "$OUT/log"
+export PYTHONWARNINGS=ignore
+HEADER="steps $STEPS" source "$(dirname "$0")/common.sh"
 start=$SECONDS
 python3 -c "from megatron_lrattn.data.default_corpus import ensure_default_data as e; e()" \
     >/dev/null 2>"$OUT/data.err" || { tail "$OUT/data.err"; exit 1; }

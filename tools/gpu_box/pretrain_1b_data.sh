@@ -4,13 +4,8 @@
 # and memory land in $OUT/pretrain_1b_data.jsonl and the log.
 #   GIT_SHA=<sha> bash tools/gpu_box/pretrain_1b_data.sh      (carry .whl/: megatron-core wheel)
 set -euo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
-mkdir -p "$OUT" /tmp/lrattn_pk /tmp/lrattn_data
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/lrattn_site .whl/megatron_core-*.whl
-export PYTHONPATH="$PWD:/tmp/lrattn_pk:/tmp/lrattn_site" PYTHONUNBUFFERED=1
-export LRATTN_CACHE=/tmp/lrattn_cache
+source "$(dirname "$0")/common.sh"
+mkdir -p /tmp/lrattn_data
 tok=$(python3 -c "from megatron_lrattn.data.default_corpus import ensure_default_data as e; print(e().tokenizer_dir)")
 python3 -c "from megatron_lrattn.data.corpus import write_stdlib_corpus as w; print(w('/tmp/lrattn_data/stdlib.jsonl'))"
 python3 -m megatron_lrattn.cli.preprocess --input /tmp/lrattn_data/stdlib.jsonl \

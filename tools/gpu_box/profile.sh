@@ -7,19 +7,7 @@
 # torchrun, run only when two GPUs are visible (nvidia-h200-x2). JSON, PNG and logs land in
 # $OUT. PROFILE_ARGS adds flags to every run (e.g. "--rounds 3").
 set -euo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
-mkdir -p "$OUT" /tmp/lrattn_pk
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/lrattn_site .whl/megatron_core-*.whl
-export PYTHONPATH="$PWD:/tmp/lrattn_pk:/tmp/lrattn_site" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-NGPU=$(nvidia-smi -L | wc -l)
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ) gpus $NGPU"
-} 2>&1 | tee "$OUT/log"
+source "$(dirname "$0")/common.sh"
 
 model=(--preset 1b --seq-length 2048 --micro-batch-size 4)
 arms=(--arms standard,attnres,lr_attnres,lr_attnres_projected --projected-rank 32)

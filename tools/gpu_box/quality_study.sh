@@ -9,24 +9,12 @@
 # $OUT/study/analyze_<arm>/. Then: python tools/study_report.py <that folder>.
 # SCHEDULE sets --depth-schedule (default per_site).
 set -uo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
 SEEDS=${SEEDS:-"1 2 3"}
 ITERS=${ITERS:-500}
 PER_GPU=${PER_GPU:-6}     # concurrent runs per GPU (a 25M model leaves an H200 mostly idle)
-mkdir -p "$OUT/study" /tmp/lrattn_pk /tmp/study
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/lrattn_site .whl/megatron_core-*.whl || exit 1
-export PYTHONPATH="$PWD:/tmp/lrattn_pk:/tmp/lrattn_site" PYTHONUNBUFFERED=1
-export LRATTN_CACHE=/tmp/lrattn_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONWARNINGS=ignore OMP_NUM_THREADS=2
-NGPU=$(nvidia-smi -L | wc -l)
-log() { echo "$@" | tee -a "$OUT/log"; }
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', m.__version__)"
-    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ) gpus $NGPU seeds $SEEDS iters $ITERS"
-} 2>&1 | tee -a "$OUT/log"
+HEADER="seeds $SEEDS iters $ITERS" source "$(dirname "$0")/common.sh"
+mkdir -p "$OUT/study" /tmp/study
 
 start=$SECONDS
 tok=$(python3 -c "from megatron_lrattn.data.default_corpus import ensure_default_data as e; print(e().tokenizer_dir)" 2>>"$OUT/study/data.err") || { tail "$OUT/study/data.err"; exit 1; }

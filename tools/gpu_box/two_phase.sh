@@ -6,20 +6,7 @@
 #   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/two_phase.sh
 # Wheels carried in .whl/ (fla-core, fast-attnres peers) are installed when present.
 set -euo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
-mkdir -p "$OUT" /tmp/lrattn_pk
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-export PYTHONPATH="$PWD:/tmp/lrattn_pk${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/lrattn_site .whl/*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/lrattn_site"
-fi
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ)"
-} 2>&1 | tee "$OUT/log"
+source "$(dirname "$0")/common.sh"
 status=0
 step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
     local name=$1 limit=$2

@@ -3,16 +3,8 @@
 # (attnres) trained with --depth-schedule per_site on GPU 0 and two_phase on GPU 1 at once,
 # then the depth-block benchmark.   GIT_SHA=<sha> bash tools/gpu_box/two_phase_ab.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/lrattn_out}
-mkdir -p "$OUT" /tmp/lrattn_pk
-ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/lrattn_site .whl/megatron_core-*.whl || exit 1
-export PYTHONPATH="$PWD:/tmp/lrattn_pk:/tmp/lrattn_site" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-export LRATTN_CACHE=/tmp/lrattn_cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-{ nvidia-smi --query-gpu=name --format=csv,noheader | head -1
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ)"; } 2>&1 | tee -a "$OUT/log"
+export PYTHONWARNINGS=ignore
+source "$(dirname "$0")/common.sh"
 for s in per_site two_phase; do
     g=0; [ $s = two_phase ] && g=1
     CUDA_VISIBLE_DEVICES=$g timeout 150 python3 -m megatron_lrattn.cli.pretrain --preset tiny \

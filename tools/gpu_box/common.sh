@@ -1,0 +1,34 @@
+# Set-up shared by the GPU-box scripts; source it from the repository root:
+#   HEADER="words for the log header" source tools/gpu_box/common.sh
+# Gives $OUT (created), the kernel package under its import name (lrattn_kernels), the wheels
+# carried in .whl/ installed to /tmp/lrattn_site (NO_WHEEL=1 skips them, e.g. for a CPU smoke
+# run), the environment (NVLink multicast stays off on these machines), $NGPU, log(), and a
+# provenance header (GPU, driver, versions, git SHA, date) at the top of $OUT/log.
+OUT=${OUT:-/tmp/lrattn_out}
+mkdir -p "$OUT" /tmp/lrattn_pk
+ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
+export PYTHONPATH="$PWD:/tmp/lrattn_pk${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export LRATTN_CACHE=${LRATTN_CACHE:-/tmp/lrattn_cache}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -z "${NO_WHEEL:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/lrattn_site .whl/*.whl || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/lrattn_site"
+fi
+NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+log() { echo "$@" | tee -a "$OUT/log"; }
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
+        || echo "no GPU visible"
+    python3 -W ignore - <<'PY'
+import torch
+parts = ["torch", torch.__version__]
+for name, mod in (("triton", "triton"), ("megatron-core", "megatron.core")):
+    try:
+        parts += [name, __import__(mod, fromlist=["__version__"]).__version__]
+    except ImportError:
+        parts += [name, "absent"]
+print(" ".join(parts))
+PY
+    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ) gpus $NGPU ${HEADER:-}"
+} 2>&1 | tee -a "$OUT/log"
