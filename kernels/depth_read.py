@@ -39,8 +39,26 @@ SAVE_OUTPUT = os.environ.get("LRATTN_DEPTH_READ_SAVE_OUTPUT", "1") == "1"
 
 # Tile overrides for the benchmark's sweep: {"tile": elements per program, "warps": n,
 # "ctas_per_sm": persistent backward programs per SM, "prefetch": 1 to load the next
-# source while reducing the current one}.
+# source while reducing the current one; "multi_*" / "merge_*" keys for the two-phase
+# kernels}. The environment variable LRATTN_KERNELS_TUNE (a JSON object of the same keys)
+# presets it for a whole process, e.g. a training run with other tiles
+# (tools/gpu_box/two_phase_diag.sh).
 TUNE: Dict[str, int] = {}
+
+
+def _tune_from_env() -> Dict[str, int]:
+    text = os.environ.get("LRATTN_KERNELS_TUNE", "").strip()
+    if not text:
+        return {}
+    import json
+
+    data = json.loads(text)
+    if not isinstance(data, dict) or not all(isinstance(v, int) for v in data.values()):
+        raise ValueError(f"LRATTN_KERNELS_TUNE must be a JSON object of integers, got {text!r}")
+    return {str(k): int(v) for k, v in data.items()}
+
+
+TUNE.update(_tune_from_env())
 
 
 @triton.jit

@@ -226,7 +226,8 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vre
 def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     """(BT, BK, BD, BR, num_warps) for one group of K queries."""
     bd = triton.next_power_of_2(d)
-    bk = triton.next_power_of_2(K)
+    # "multi_min_bk": pad the query axis of the tiles to at least this many (masked) rows
+    bk = max(triton.next_power_of_2(K), _dr.TUNE.get("multi_min_bk", 1))
     br = max(16, triton.next_power_of_2(r))
     bt = max(1, min(_dr.TUNE.get("multi_tile", MAX_TILE) // (bk * bd),
                     triton.next_power_of_2(max(T, 1))))

@@ -302,3 +302,77 @@ def test_prefetch_does_not_change_results(projected, monkeypatch):
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
+
+
+def check_block(T, d, r, S, K, projected, backend, qdtype=torch.bfloat16, dtype=torch.bfloat16,
+                seed=3):
+    """One depth block as ``DepthState`` runs it in a bf16 model: K queries stacked from
+    separate (bf16) parameters, phase 1 with ``split=True``; site 0 returns its phase-1
+    output, sites k >= 1 merge their own partial sum P_k. Every output and every gradient
+    (queries, sources, keys, partial sums and their keys) against float64 per-site reads."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    values = [randn(gen, T, d, dtype=dtype) * (0.5 + i % 3) for i in range(S)]
+    keys = [randn(gen, T, r, dtype=dtype) for _ in range(S)] if projected else None
+    qs = [(randn(gen, r) * (2.0 / r**0.5)).to(qdtype) for _ in range(K)]
+    parts = [randn(gen, T, d, dtype=dtype) * 1.5 for _ in range(K - 1)]
+    pkeys = [randn(gen, T, r, dtype=dtype) for _ in range(K - 1)] if projected else []
+    leaves = [*qs, *values, *(keys or []), *parts, *pkeys]
+    for t in leaves:
+        t.requires_grad_()
+    outs, lse = depth_read_multi(values, torch.stack(qs), keys, backend=backend, split=True)
+    hs = [outs[0]] + [depth_merge(outs[k], lse[k], parts[k - 1], qs[k],
+                                  pkeys[k - 1] if projected else None, backend=backend)
+                      for k in range(1, K)]
+    gs = [randn(gen, T, d, dtype=dtype) for _ in range(K)]
+    grads = torch.autograd.grad(hs, leaves, gs)
+    rl = up(leaves)
+    rq, rv = rl[:K], rl[K:K + S]
+    rk = rl[K + S:K + 2 * S] if projected else None
+    rp = rl[K + (2 if projected else 1) * S:][:K - 1]
+    rpk = rl[K + 2 * S + K - 1:] if projected else []
+    refs = [depth_read_naive(rv, rq[0], rk)] + [
+        depth_read_naive([*rv, rp[k - 1]], rq[k], [*rk, rpk[k - 1]] if projected else None)
+        for k in range(1, K)]
+    ref_grads = torch.autograd.grad(refs, rl, [g.double() for g in gs])
+    names = ([f"q{k}" for k in range(K)] + [f"values[{i}]" for i in range(S)]
+             + [f"keys[{i}]" for i in range(S if projected else 0)]
+             + [f"P{k}" for k in range(1, K)] + [f"Pkey{k}" for k in range(1, K if projected else 1)])
+    errs = {f"h{k}": rel_rms(h, ref) for k, (h, ref) in enumerate(zip(hs, refs))}
+    floor = 1e-1 * gs[0].double().pow(2).mean().sqrt().item()
+    for name, g, rg, t in zip(names, grads, ref_grads, leaves):
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        errs[name] = rel_rms(g, rg, floor=floor)
+    assert_table(errs, dtype, MERGED)
+
+
+# The depth blocks of the models whose two-phase training went wrong on an H200 (tiny
+# preset: d=128, N=4 of 8 sub-layers; study-25m: d=512, N=8 of 16), with the model's token
+# count per micro-batch; the large shapes above (T*d big enough that a phase-1 program holds
+# 1-2 tokens) were the only ones the GPU had run. Here phase-1 programs hold 16-128 tokens
+# and 1-2 queries. (T, d, r, projected, [(S, K), ...])
+MODEL_BLOCKS = {
+    "tiny_attnres": (1024, 128, 128, False, [(1, 1), (2, 2), (3, 2), (5, 1)]),
+    "tiny_sliced": (1024, 128, 32, False, [(1, 1), (2, 2), (4, 2), (5, 1)]),
+    "study25m_sliced": (4096, 512, 128, False, [(1, 1), (2, 2), (5, 2), (9, 1)]),
+    "study25m_projected": (4096, 512, 32, True, [(1, 1), (3, 2), (9, 1)]),
+    "1b_sliced_control": (1024, 2048, 512, False, [(1, 3), (5, 4), (9, 1)]),
+}
+
+
+@pytest.mark.parametrize("name", ["tiny_attnres", "tiny_sliced", "study25m_projected"])
+def test_model_block_pattern_bf16_small(name):
+    """CPU-sized version of the model blocks (interpreter): more than one phase-1 program of
+    many tokens, bf16 sources and bf16 queries, split outputs, merges."""
+    _, d, r, projected, blocks = MODEL_BLOCKS[name]
+    d, r = min(d, 128), min(r, 32) if projected else min(r, d)
+    T = 160 if d == 128 else 96
+    for S, K in blocks[:2] + blocks[-1:]:
+        check_block(T, d, r, S, K, projected, "triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(MODEL_BLOCKS))
+def test_model_block_pattern_bf16_gpu(name):
+    T, d, r, projected, blocks = MODEL_BLOCKS[name]
+    for S, K in blocks:
+        check_block(T, d, r, S, K, projected, "triton")
