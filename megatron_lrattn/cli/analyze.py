@@ -89,6 +89,12 @@ def _training_args(meta: Dict, path: str) -> argparse.Namespace:
     # One process holds the whole model; distributed checkpointing reshards.
     targs.tensor_model_parallel_size = targs.pipeline_model_parallel_size = 1
     targs.sequence_parallel = False
+    # A TE-spec (and FP8) checkpoint has the local spec's distributed-checkpoint keys
+    # (megatron_lrattn.te_compat), so the local model reads it on any machine; analysis
+    # reads depth per site.
+    targs.transformer_impl, targs.fp8_format = "local", None
+    targs.num_layers_per_virtual_pipeline_stage = None
+    targs.depth_schedule = "per_site"
     if targs.depth_backend == "triton":
         targs.depth_backend = "auto"
     return targs
