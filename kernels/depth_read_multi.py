@@ -223,6 +223,160 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vre
              mask=kmask[:, None] & (rcols < r)[None, :])
 
 
+# --- 2-D variant (TUNE["multi_impl"] = 2): only [BT, BD] / [BT, BR] / [BT, BK] / [BK, BR]
+# tiles and reductions, the shapes of the single-read kernel. The forward loops over the K
+# queries outside the sources (the sources' tiles are re-read from L2 K times, HBM once);
+# the backward keeps the sources outside and the queries inside (each g_k tile re-read per
+# source). Written to take the 3-D tiles of the kernels above out of a GPU defect hunt
+# (kernels/README.md, "Open defect"); same results, same saved tensors.
+
+
+@triton.jit
+def _fwd2d_kernel(v_tab, vs_tab, k_tab, ks_tab, o_tab, vref, kref, oref, q_ptr, lse_ptr,
+                  T, S, K, d, r, eps, scale,
+                  PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                  BR: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BD)
+    rcols = tl.arange(0, BR)
+    m2 = rmask[:, None] & (cols < d)[None, :]
+    q_row = q_ptr
+    l_row = lse_ptr
+    o_ent = o_tab
+    for k in range(K):
+        q = tl.load(q_row + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+        m = tl.full([BT], float("-inf"), tl.float32)
+        l = tl.zeros([BT], tl.float32)
+        acc = tl.zeros([BT, BD], tl.float32)
+        for i in range(S):
+            v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+            kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols,
+                           d, r, PROJECTED)
+            rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+            s = tl.sum(kf * q[None, :], axis=1) * (scale * rstd)
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            acc = acc * alpha[:, None] + p[:, None] * v
+            l = l * alpha + p
+            m = m_new
+        o_ptr = tl.load(o_ent).to(tl.pointer_type(oref.dtype.element_ty))
+        tl.store(o_ptr + rows64[:, None] * d + cols[None, :],
+                 (acc / l[:, None]).to(oref.dtype.element_ty), mask=m2)
+        tl.store(l_row + rows64, m + tl.log(l), mask=rmask)
+        q_row += r
+        l_row += T
+        o_ent += 1
+
+
+@triton.jit
+def _bwd2d_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vref, kref,
+                  gref, q_ptr, lse_ptr, dlse_ptr, gq_part_ptr, T, S, K, d, r, eps, scale,
+                  n_blocks, PROJECTED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BD: tl.constexpr, BR: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BD)
+    rcols = tl.arange(0, BR)
+    kk = tl.arange(0, BK)
+    keycol = (cols >= d - r) & (cols < d)
+    gq = tl.zeros([BK, BR], tl.float32)
+    for tb in range(pid, n_blocks, nprog):
+        rows = tb * BT + tl.arange(0, BT)
+        rmask = rows < T
+        rows64 = rows.to(tl.int64)
+        m2 = rmask[:, None] & (cols < d)[None, :]
+        # pass 1: delta[:, k] = sum_i a_ki <g_k, v_i> = <g_k, out_k>, exact
+        delta = tl.zeros([BT, BK], tl.float32)
+        for i in range(S):
+            v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+            kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols,
+                           d, r, PROJECTED)
+            rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+            q_row = q_ptr
+            l_row = lse_ptr
+            for k in range(K):
+                q = tl.load(q_row + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+                s = tl.sum(kf * q[None, :], axis=1) * (scale * rstd)
+                lse = tl.load(l_row + rows64, mask=rmask, other=0.0)
+                g_ptr = tl.load(g_tab + k).to(tl.pointer_type(gref.dtype.element_ty))
+                g = tl.load(g_ptr + rows64[:, None] * tl.load(gs_tab + k) + cols[None, :],
+                            mask=m2, other=0.0).to(tl.float32)
+                x = tl.exp(s - lse) * tl.sum(g * v, axis=1)
+                delta = tl.where(kk[None, :] == k, delta + x[:, None], delta)
+                q_row += r
+                l_row += T
+        # pass 2: ds_ki = a_ki (<g_k, v_i> - delta_k + dlse_k); dv_i, dk_i, grad q_k
+        for i in range(S):
+            v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+            kf = _key_tile(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, rmask, rcols,
+                           d, r, PROJECTED)
+            rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+            dv = tl.zeros([BT, BD], tl.float32)
+            csum = tl.zeros([BT], tl.float32)
+            if PROJECTED:
+                dkq = tl.zeros([BT, BR], tl.float32)
+            else:
+                dkq = tl.zeros([BT, BD], tl.float32)
+            q_row = q_ptr
+            l_row = lse_ptr
+            e_row = dlse_ptr
+            for k in range(K):
+                q = tl.load(q_row + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+                s = tl.sum(kf * q[None, :], axis=1) * (scale * rstd)
+                a = tl.exp(s - tl.load(l_row + rows64, mask=rmask, other=0.0))
+                g_ptr = tl.load(g_tab + k).to(tl.pointer_type(gref.dtype.element_ty))
+                g = tl.load(g_ptr + rows64[:, None] * tl.load(gs_tab + k) + cols[None, :],
+                            mask=m2, other=0.0).to(tl.float32)
+                dk_ = tl.sum(tl.where(kk[None, :] == k, delta, 0.0), axis=1)
+                ds = a * (tl.sum(g * v, axis=1) - dk_
+                          + tl.load(e_row + rows64, mask=rmask, other=0.0))
+                dv += a[:, None] * g
+                csum += ds * s
+                if PROJECTED:
+                    dkq += ds[:, None] * q[None, :]
+                else:
+                    qd = tl.load(q_row + (cols - (d - r)), mask=keycol, other=0.0)
+                    dkq += ds[:, None] * qd.to(tl.float32)[None, :]
+                contrib = tl.sum((ds * (scale * rstd))[:, None] * kf, axis=0)
+                gq = tl.where(kk[:, None] == k, gq + contrib[None, :], gq)
+                q_row += r
+                l_row += T
+                e_row += T
+            # dk = rstd scale sum_k ds_k q_k - k rstd^2 / r sum_k ds_k s_k
+            c = rstd * rstd / r * csum
+            if PROJECTED:
+                dk = (scale * rstd)[:, None] * dkq - kf * c[:, None]
+                dk_ptr = tl.load(dk_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+                tl.store(dk_ptr + rows64[:, None] * r + rcols[None, :],
+                         dk.to(kref.dtype.element_ty), mask=rmask[:, None] & (rcols < r)[None, :])
+            else:
+                dv += tl.where(keycol[None, :], (scale * rstd)[:, None] * dkq - v * c[:, None],
+                               0.0)
+            dv_ptr = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+            tl.store(dv_ptr + rows64[:, None] * d + cols[None, :],
+                     dv.to(vref.dtype.element_ty), mask=m2)
+    tl.store(gq_part_ptr + pid.to(tl.int64) * K * r + kk[:, None] * r + rcols[None, :], gq,
+             mask=(kk < K)[:, None] & (rcols < r)[None, :])
+
+
+def _impl() -> int:
+    """3: the 3-D tiles (default); 2: the 2-D variant (``TUNE["multi_impl"]``)."""
+    return int(_dr.TUNE.get("multi_impl", 3))
+
+
+def _tiles2d(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
+    bd = triton.next_power_of_2(d)
+    bk = triton.next_power_of_2(K)
+    br = max(16, triton.next_power_of_2(r))
+    bt = max(1, min(_dr.TUNE.get("multi2d_tile", 2048) // bd, triton.next_power_of_2(max(T, 1))))
+    warps = _dr.TUNE.get("multi2d_warps", max(4, min(16, bt * bd // 1024)))
+    return bt, bk, bd, br, warps
+
+
 def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     """(BT, BK, BD, BR, num_warps) for one group of K queries."""
     bd = triton.next_power_of_2(d)
@@ -263,10 +417,17 @@ def _forward(vs, ks, queries, eps, scale, split):
     if T == 0:
         return outs, lse
     projected = len(ks) > 0
-    bt, bk, bd, br, warps = _tiles(d, r, K, T)
     v_tab, vs_tab = _table(vs)
     k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
     o_tab, _ = _table(list(outs))
+    if _impl() == 2:
+        bt, _, bd, br, warps = _tiles2d(d, r, K, T)
+        _fwd2d_kernel[(triton.cdiv(T, bt),)](
+            v_tab, vs_tab, k_tab, ks_tab, o_tab, vs[0], ks[0] if projected else vs[0],
+            outs[0], queries, lse, T, len(vs), K, d, r, eps, scale,
+            PROJECTED=projected, BT=bt, BD=bd, BR=br, num_warps=warps)
+        return outs, lse
+    bt, bk, bd, br, warps = _tiles(d, r, K, T)
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, o_tab, vs[0], ks[0] if projected else vs[0], outs[0],
         queries, lse, T, len(vs), K, d, r, eps, scale,
@@ -284,7 +445,8 @@ def _backward(vs, ks, queries, lse, grads, dlse, eps, scale):
     if T == 0:
         return torch.zeros_like(queries), [t.zero_() for t in dvs], [t.zero_() for t in dks]
     gs = [_rows(g, d) for g in grads]
-    bt, bk, bd, br, warps = _tiles(d, r, K, T)
+    two_d = _impl() == 2
+    bt, bk, bd, br, warps = (_tiles2d if two_d else _tiles)(d, r, K, T)
     n_blocks = triton.cdiv(T, bt)
     nprog = _programs(n_blocks, dev)
     parts = _dr._alloc((nprog, K, r), torch.float32, dev)
@@ -294,6 +456,12 @@ def _backward(vs, ks, queries, lse, grads, dlse, eps, scale):
     dk_tab = _table(dks)[0] if projected else dv_tab
     g_tab, gs_tab = _table(gs)
     kref = ks[0] if projected else vs[0]
+    if two_d:
+        _bwd2d_kernel[(nprog,)](
+            v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vs[0], kref, gs[0],
+            queries, lse, dlse.contiguous(), parts, T, len(vs), K, d, r, eps, scale, n_blocks,
+            PROJECTED=projected, BT=bt, BK=bk, BD=bd, BR=br, num_warps=warps)
+        return parts.sum(0), dvs, dks
     _bwd_kernel[(nprog,)](
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, vs[0], kref, gs[0],
         queries, lse, dlse.contiguous(), parts, T, len(vs), K, d, r, eps, scale, n_blocks,
@@ -357,7 +525,8 @@ def depth_read_multi_triton(
     d, r = shape[-1], queries.shape[-1]
     vs = [_rows(v, d) for v in values]
     ks = [_rows(k, r) for k in keys] if keys is not None else []
-    group = _dr.TUNE.get("multi_group", max(1, MAX_TILE // triton.next_power_of_2(d)))
+    group = _dr.TUNE.get("multi_group", max(1, MAX_TILE // triton.next_power_of_2(d))
+                         if _impl() != 2 else 16)
     outs: List[Tensor] = []
     lses: List[Tensor] = []
     for k0 in range(0, queries.shape[0], group):

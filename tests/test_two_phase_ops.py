@@ -376,3 +376,18 @@ def test_model_block_pattern_bf16_gpu(name):
     T, d, r, projected, blocks = MODEL_BLOCKS[name]
     for S, K in blocks:
         check_block(T, d, r, S, K, projected, "triton")
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_multi_2d_variant_matches(projected, monkeypatch):
+    """The 2-D phase-1 kernels (``TUNE["multi_impl"] = 2``): the stress shapes' checks and the
+    model block pattern (bf16 sources and queries, several programs of many tokens)."""
+    monkeypatch.setitem(kdr.TUNE, "multi_impl", 2)
+    name = "projected" if projected else "sliced"
+    T, d, r, S, K, _ = STRESS[name]
+    for dtype in (torch.float32, torch.bfloat16):
+        check_multi(T, d, r, S, K, dtype, projected, "triton")
+    check_multi(*STRESS["many_sources"][:5], torch.float32, False, "triton")
+    monkeypatch.setitem(kdr.TUNE, "multi2d_tile", 1024)  # d=64: 16 tokens per program
+    check_block(40, 64, 16, 3, 2, projected, "triton")
+    check_block(40, 64, 16 if projected else 64, 1, 1, projected, "triton")

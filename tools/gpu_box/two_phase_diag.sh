@@ -7,12 +7,13 @@
 # 16-128 tokens per program, 3-D tiles [BT, BK, BD] with BT > 2) -- the large op tests hold
 # 1-2 tokens per program. This script runs, each with the default tiles and with one token
 # per program (LRATTN_KERNELS_TUNE multi_tile=1, merge_tile=1), and with one token and the
-# query axis padded to 4 (multi_min_bk=4: the tiles [1-2, >=4, BD] the GPU has passed):
+# query axis padded to 4 (multi_min_bk=4: the tiles [1-2, >=4, BD] the GPU has passed), and
+# with the 2-D phase-1 kernels (multi_impl=2: only the tile shapes of the single read):
 #   1. the depth-block op tests at the failing models' shapes (bf16 sources and queries);
 #   2. the bf16 Float16Module + DDP model test, fused kernels at the tiny preset's shape;
 #   3. the tiny preset (attnres) trained 100 steps: per_site, two_phase, two_phase 1-token.
 # Reading: (1)/(2) fail with default tiles and pass with one token per program, and (3)'s
-# two_phase_default curve is off while a 1-token one follows per_site -> the phase-1/merge kernels
+# two_phase_default curve is off while a 1-token or the 2-D one follows per_site -> the phase-1/merge kernels
 # go wrong on the GPU at multi-token 3-D tiles (a compiled-kernel problem the interpreter
 # cannot show); the per-shape error tables say which kernel and which gradient.
 #   GIT_SHA=<sha> bash tools/gpu_box/two_phase_diag.sh     (carry .whl/: megatron-core)
@@ -20,19 +21,20 @@ set -uo pipefail
 export PYTHONWARNINGS=ignore
 HEADER="two-phase diagnosis" source "$(dirname "$0")/common.sh"
 declare -A TILES=([default]="" [one_token]='{"multi_tile": 1, "merge_tile": 1}'
-                   [one_token_bk4]='{"multi_tile": 1, "merge_tile": 1, "multi_min_bk": 4}')
+                   [one_token_bk4]='{"multi_tile": 1, "merge_tile": 1, "multi_min_bk": 4}'
+                   [impl2d]='{"multi_impl": 2}')
 PT=(python3 -m pytest -q -p no:cacheprovider -rf)
-for tiles in default one_token one_token_bk4; do
+for tiles in default one_token one_token_bk4 impl2d; do
     env=(LRATTN_KERNELS_TUNE="${TILES[$tiles]}")
     log "== op tests, model block shapes, tiles $tiles"
-    env "${env[@]}" timeout 150 "${PT[@]}" tests/test_two_phase_ops.py -k "model_block and gpu" \
+    env "${env[@]}" timeout 120 "${PT[@]}" tests/test_two_phase_ops.py -k "model_block and gpu" \
         2>&1 | grep -E "passed|failed|FAILED|errors over" | cut -c1-600 | tee -a "$OUT/log"
     log "== bf16 DDP model test (fused kernels, tiny preset shape), tiles $tiles"
-    env "${env[@]}" timeout 150 "${PT[@]}" tests/test_two_phase_model.py -k "bf16" 2>&1 \
+    env "${env[@]}" timeout 120 "${PT[@]}" tests/test_two_phase_model.py -k "bf16" 2>&1 \
         | grep -E "passed|failed|FAILED|Error:" | cut -c1-600 | tee -a "$OUT/log"
 done
-log "== tiny preset, attnres, 100 steps (four runs at once on GPU 0)"
-ARMS="per_site two_phase_default two_phase_one_token two_phase_one_token_bk4"
+log "== tiny preset, attnres, 100 steps (five runs at once on GPU 0)"
+ARMS="per_site two_phase_default two_phase_one_token two_phase_one_token_bk4 two_phase_impl2d"
 for arm in $ARMS; do
     s=per_site; env=(LRATTN_KERNELS_TUNE=)
     [ $arm != per_site ] && s=two_phase && env=(LRATTN_KERNELS_TUNE="${TILES[${arm#two_phase_}]}")
