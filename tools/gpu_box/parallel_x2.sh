@@ -7,7 +7,10 @@
 #  3. lrattn-profile with PP=2 and 2 virtual stages per rank (interleaved schedule).
 #   GIT_SHA=<sha> bash tools/gpu_box/parallel_x2.sh      (carry .whl/: the megatron-core wheel)
 # STEPS=(curves profile) selects parts; PRESET (1b) and VPL (layers per virtual stage, 4)
-# allow a CPU smoke run (PRESET=tiny VPL=1); SCHEDULE sets --depth-schedule (per_site). Logs, JSON lines and the profile JSON/PNG land in $OUT.
+# allow a CPU smoke run (PRESET=tiny VPL=1); SCHEDULE sets --depth-schedule (per_site); LR
+# overrides the preset's learning rate. The curves part also runs one GPU at micro-batch 4
+# (the same global batch): its distance from the micro-batch-2 run is the bf16 noise floor
+# that TP=2 and PP=2 are compared with. Logs, JSON lines and the profile JSON/PNG land in $OUT.
 set -uo pipefail
 STEPS=${STEPS:-"curves profile"}
 export PYTHONWARNINGS=ignore
@@ -22,7 +25,7 @@ torchrun2() { python3 -m torch.distributed.run --standalone --nproc-per-node 2 "
 CK=/tmp/lrattn_x2_ckpt
 run=(--preset "${PRESET:-1b}" --micro-batch-size 2 --global-batch-size 8 --train-iters 21 --lr-warmup-iters 5
      --eval-interval 1000 --eval-iters 2 --log-interval 5 --no-progress
-     --depth-schedule "${SCHEDULE:-per_site}")
+     --depth-schedule "${SCHEDULE:-per_site}" ${LR:+--lr "$LR"})
 summary() {  # JSON-lines files...: iterations, losses, median step time
     python3 - "$@" <<'PY' | tee -a "$OUT/log"
 import json, statistics, sys
@@ -69,6 +72,11 @@ if [[ " $STEPS " == *" curves "* ]]; then
         summary "$OUT/x2_$layout.jsonl"
         log "($((SECONDS - start)) s)"
     done
+    log "== bf16 noise floor: one GPU, resumed, micro-batch 4 instead of 2 (same global batch)"
+    CUDA_VISIBLE_DEVICES=0 pretrain "${run[@]}" --micro-batch-size 4 --load "$CK" \
+        --log-json "$OUT/x2_single_mbs4.jsonl" >"$OUT/x2_single_mbs4.out" 2>&1 \
+        || tail -20 "$OUT/x2_single_mbs4.out"
+    summary "$OUT/x2_single_mbs4.jsonl"
     python3 - "$OUT" <<'PY' | tee -a "$OUT/log"
 import json, sys
 out = sys.argv[1]
@@ -79,7 +87,7 @@ def losses(name):
     except OSError:
         return {}
 ref = losses("single_gpu0")
-for name in ("single_gpu1", "tp2", "pp2"):
+for name in ("single_gpu1", "single_mbs4", "tp2", "pp2"):
     got = losses(name)
     common = sorted(set(ref) & set(got))
     if not common:
