@@ -39,6 +39,20 @@ def load_runs(folder: Path) -> Dict[str, Dict[int, List[dict]]]:
     return runs
 
 
+def arm_label(arm: str, seeds: Dict[int, List[dict]]) -> str:
+    """A label from the runs' own ``run`` record (residual, key, rank, N), else the name."""
+    for rows in seeds.values():
+        run = next((r for r in rows if r.get("type") == "run"), None)
+        if run and run.get("residual") == "standard":
+            return "standard residual"
+        if run and run.get("residual") == "attnres":
+            return f"AttnRes (N={run.get('num_blocks')})"
+        if run and run.get("residual") == "lr_attnres":
+            return (f"LR-AttnRes {run.get('key')} (r={run.get('rank')}, "
+                    f"N={run.get('num_blocks')})")
+    return LABELS.get(arm, arm)
+
+
 def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
     """Final validation loss of every run and mean / sd per arm (sd over seeds, n - 1)."""
     arms = {}
@@ -54,7 +68,7 @@ def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
             tokens[seed] = train[-1]["consumed_samples"]
         vals = list(finals.values())
         arms[arm] = {
-            "label": LABELS.get(arm, arm),
+            "label": arm_label(arm, runs[arm]),
             "final_valid_loss": finals,
             "iterations": iters,
             "samples": tokens,
