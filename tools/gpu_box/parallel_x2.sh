@@ -8,7 +8,7 @@
 #   GIT_SHA=<sha> bash tools/gpu_box/parallel_x2.sh      (carry .whl/: the megatron-core wheel)
 # STEPS=(curves profile) selects parts; PRESET (1b) and VPL (layers per virtual stage, 4)
 # allow a CPU smoke run (PRESET=tiny VPL=1); SCHEDULE sets --depth-schedule (per_site); LR
-# overrides the preset's learning rate. The curves part also runs one GPU at micro-batch 4
+# overrides the preset's learning rate; EXTRA adds flags (e.g. EXTRA=--bf16 on CPU). The curves part also runs one GPU at micro-batch 4
 # (the same global batch): its distance from the micro-batch-2 run is the bf16 noise floor
 # that TP=2 and PP=2 are compared with. Logs, JSON lines and the profile JSON/PNG land in $OUT.
 set -uo pipefail
@@ -25,7 +25,7 @@ torchrun2() { python3 -m torch.distributed.run --standalone --nproc-per-node 2 "
 CK=/tmp/lrattn_x2_ckpt
 run=(--preset "${PRESET:-1b}" --micro-batch-size 2 --global-batch-size 8 --train-iters 21 --lr-warmup-iters 5
      --eval-interval 1000 --eval-iters 2 --log-interval 5 --no-progress
-     --depth-schedule "${SCHEDULE:-per_site}" ${LR:+--lr "$LR"})
+     --depth-schedule "${SCHEDULE:-per_site}" ${LR:+--lr "$LR"} ${EXTRA:-})
 summary() {  # JSON-lines files...: iterations, losses, median step time
     python3 - "$@" <<'PY' | tee -a "$OUT/log"
 import json, statistics, sys
