@@ -147,6 +147,18 @@ def make(T, d, r, S, projected, seed):
     return vals, query, keys, grad
 
 
+def peak_extra_mib(call) -> float:
+    """Peak device memory above what was allocated before ``call()`` (MiB); NaN off CUDA."""
+    if DEVICE != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def fwd_bwd(fn, vals, query, keys, grad):
     leaves = [query, *vals, *(keys or [])]
     for t in leaves:
@@ -202,14 +214,7 @@ def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False, compil
             print(f"  {name}: RED CHECK rel-RMS {err:.2e} > {tol:.0e}; not timed", flush=True)
             rows.append(dict(row, **{"pass": "fwdbwd"}))
             continue
-        peak = float("nan")
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fwd_bwd(fn, vals, query, keys, grad)
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        peak = peak_extra_mib(lambda: fwd_bwd(fn, vals, query, keys, grad))
         with torch.no_grad():
             t_fwd = bench(lambda: fn(vals, query, keys), rep=200)
         t_fb = bench(lambda: fwd_bwd(fn, vals, query, keys, grad), rep=300)
@@ -335,14 +340,7 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
             print(f"  {name}: RED CHECK rel-RMS {err:.2e} > {tol:.0e}; not timed", flush=True)
             rows.append(dict(row, **{"pass": "fwdbwd"}))
             continue
-        peak = float("nan")
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            block_fwd_bwd(fn, inp, grads)
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        peak = peak_extra_mib(lambda: block_fwd_bwd(fn, inp, grads))
         with torch.no_grad():
             t_fwd = bench(lambda: fn(**inp), rep=200)
         t_fb = bench(lambda: block_fwd_bwd(fn, inp, grads), rep=300)

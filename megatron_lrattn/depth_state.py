@@ -17,17 +17,16 @@ def rms_normalize(x: Tensor, eps: float) -> Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def uses_two_phase(config, like: Tensor) -> bool:
-    """Whether reads on ``like``'s device run the two-phase block schedule.
+def uses_two_phase(config) -> bool:
+    """Whether the depth reads run the two-phase block schedule.
 
     ``config.depth_schedule``: ``two_phase`` / ``per_site`` force it; ``auto`` is
     ``per_site``: on one H200 (2026-11-30) the two-phase path trained the tiny preset to a
     worse loss than per-site reads (bf16, 300 steps: 5.755 against 4.631) although its ops
     pass their GPU tests, and its block benchmark was not faster (docs/kernels.md), so it
-    stays opt-in until both are resolved. ``like`` is kept for a device-dependent choice.
+    stays opt-in until both are resolved.
     """
-    mode = getattr(config, "depth_schedule", "per_site")
-    return mode == "two_phase"
+    return getattr(config, "depth_schedule", "per_site") == "two_phase"
 
 
 @dataclass

@@ -93,10 +93,9 @@ def test_auto_schedule_resolution_and_config_errors(mp):
     from megatron_lrattn.config import ConfigError
     from megatron_lrattn.depth_state import uses_two_phase
 
-    x = torch.zeros(1)
-    assert not uses_two_phase(tiny_config(num_blocks=2), x)  # auto on CPU: per site
-    assert uses_two_phase(tiny_config(num_blocks=2, depth_schedule="two_phase"), x)
-    assert not uses_two_phase(tiny_config(num_blocks=2, depth_schedule="per_site"), x)
+    assert not uses_two_phase(tiny_config(num_blocks=2))  # auto: per site
+    assert uses_two_phase(tiny_config(num_blocks=2, depth_schedule="two_phase"))
+    assert not uses_two_phase(tiny_config(num_blocks=2, depth_schedule="per_site"))
     with pytest.raises(ConfigError, match="depth_schedule='blocked' is not allowed: one of "
                                           "auto, per_site, two_phase"):
         tiny_config(num_blocks=2, depth_schedule="blocked")

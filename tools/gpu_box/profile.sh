@@ -5,7 +5,8 @@
 #   GIT_SHA=<sha> bash tools/gpu_box/profile.sh            (carry .whl/: megatron-core wheel)
 # Layouts (LAYOUTS, default "1gpu pp2"): 1gpu = one GPU; pp2 = PP=2 over two GPUs under
 # torchrun, run only when two GPUs are visible (nvidia-h200-x2). JSON, PNG and logs land in
-# $OUT. PROFILE_ARGS adds flags to every run (e.g. "--rounds 3").
+# $OUT. PROFILE_ARGS adds flags to every run (e.g. "--rounds 3"). PP=2 with two virtual
+# stages per rank: parallel_x2.sh (profile part).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -41,8 +42,6 @@ for layout in ${LAYOUTS:-1gpu pp2}; do
         # 8 micro-batches of 4 per step (the profiler's default for PP=2: 4 x PP)
         profile pp2 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
             -m megatron_lrattn.cli.profile --pipeline-model-parallel-size 2
-        echo "== pp2 with virtual stages skipped: lrattn-pretrain has no interleaved" \
-             "(virtual pipeline) schedule yet" | tee -a "$OUT/log"
         ;;
     *)
         echo "unknown layout $layout (1gpu, pp2)" | tee -a "$OUT/log"; exit 2
