@@ -59,9 +59,13 @@ FP8_RECIPES = ("delayed", "tensorwise")
 """FP8 scaling recipes we accept (megatron-core 0.16-0.19 names): ``delayed`` (scales from an
 amax history) and ``tensorwise`` (per-tensor current scaling)."""
 
-FP8_FAN_IN, FP8_FAN_OUT = 16, 8
-"""TE's FP8 GEMMs need a weight's input dimension divisible by 16 and its output dimension by
-8 (and the token count by 8)."""
+FP8_FAN_IN = FP8_FAN_OUT = FP8_TOKENS = 16
+"""TE's FP8 GEMMs need every GEMM dimension divisible by 16: the backward multiplies each
+operand transposed as well, and cuBLASLt asks FP8 operands for leading dimensions divisible by
+16. Seen on an H200 with TE 2.20: a weight of 40 output rows (d = 32 plus r = 8 projected-key
+rows) passes TE's own input checks and the forward, then stops the data-gradient GEMM with
+``ret.lda % 16 == 0 ... Caller must pad``. So: weight input and output widths, and tokens per
+micro-batch and rank, are multiples of 16."""
 
 
 class TEUnavailableError(ImportError):
@@ -137,7 +141,7 @@ def check_fp8_config(config) -> None:
 
     Raises:
         ValueError: an unknown recipe, ``fp8_param``, or GEMM shapes TE's FP8 kernels refuse
-            (naming them; with projected keys pick a rank r that keeps d + r a multiple of 8).
+            (naming them; with projected keys pick a rank r that keeps d + r a multiple of 16).
     """
     if not getattr(config, "fp8", None):
         return

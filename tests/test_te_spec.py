@@ -17,7 +17,7 @@ from megatron_lrattn.spec import SPEC_BACKENDS, get_lr_attnres_layer_spec
 
 MODES = [("standard", {}), ("attnres", {"num_blocks": 4}),
          ("lr_attnres", {"num_blocks": 4}),
-         ("lr_attnres", {"key": "projected", "rank": 8, "num_blocks": 4})]
+         ("lr_attnres", {"key": "projected", "rank": 16, "num_blocks": 4})]
 MODE_IDS = ["standard", "attnres", "sliced", "projected"]
 HAVE_TE = te_compat.te_available()
 no_te = pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here: the "
@@ -70,7 +70,7 @@ def test_fp8_needs_te_and_shapes_and_recipes_it_accepts():
     other than delayed/tensorwise, with fp8_param, and with GEMM widths TE's FP8 kernels
     refuse (projected keys add r rows to the output projections); so are TE's
     communication-overlap buffers with projected keys."""
-    ok = _config("lr_attnres", {"key": "projected", "rank": 8, "num_blocks": 4}, fp8="hybrid")
+    ok = _config("lr_attnres", {"key": "projected", "rank": 16, "num_blocks": 4}, fp8="hybrid")
     with pytest.raises(ValueError, match="fp8='hybrid' needs backend='te'"):
         get_lr_attnres_layer_spec(ok)
     te_compat.check_fp8_config(ok)
@@ -78,6 +78,9 @@ def test_fp8_needs_te_and_shapes_and_recipes_it_accepts():
     with pytest.raises(ValueError, match=r"linear_proj: 32 -> 36 per TP rank; "
                                          r"linear_fc2: 64 -> 36 per TP rank"):
         get_lr_attnres_layer_spec(odd, backend="te")
+    # d + r = 40: TE's own input checks and the forward accept it, its backward GEMM does not
+    with pytest.raises(ValueError, match=r"linear_proj: 32 -> 40 per TP rank"):
+        te_compat.check_fp8_config(dataclasses.replace(ok, rank=8))
     with pytest.raises(ValueError, match="fp8_recipe='mxfp8' is not supported"):
         te_compat.check_fp8_config(dataclasses.replace(ok, fp8_recipe="mxfp8"))
     with pytest.raises(ValueError, match="fp8_param"):
@@ -100,7 +103,7 @@ def test_fp8_shape_problems_of_the_presets():
     assert bad == ["linear_proj: 2048 -> 2060 per TP rank", "linear_fc2: 5632 -> 2060 per TP rank"]
     bad = te_compat.fp8_shape_problems(hidden_size=1000, ffn_hidden_size=2816,
                                        num_attention_heads=8, num_query_groups=8, kv_channels=125)
-    assert [b.split(":")[0] for b in bad] == ["linear_qkv", "linear_proj", "linear_fc1"]
+    assert [b.split(":")[0] for b in bad] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
 def test_flags_default_local_and_fp8_needs_transformer_engine():
@@ -122,8 +125,9 @@ def test_fp8_flags_refuse_shapes_before_needing_te():
             "e4m3", "--residual", "lr_attnres", "--key", "projected"]
     with pytest.raises(ArgumentError, match=r"linear_proj: 128 -> 132 per TP rank"):
         parse_args(base + ["--rank", "4"])
-    with pytest.raises(ArgumentError, match="12 tokens per micro-batch and rank"):
-        parse_args(base + ["--rank", "16", "--seq-length", "12", "--micro-batch-size", "1"])
+    with pytest.raises(ArgumentError, match=r"24 tokens per micro-batch and rank \(not a "
+                                            r"multiple of 16\)"):
+        parse_args(base + ["--rank", "16", "--seq-length", "24", "--micro-batch-size", "1"])
 
 
 @no_te

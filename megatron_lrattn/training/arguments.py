@@ -305,8 +305,9 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
             kv_channels=args.hidden_size // args.num_attention_heads, tensor_parallel=tp,
             swiglu=args.swiglu,
             key_rows=(args.rank or args.hidden_size // 4) if projected else 0)
-        if tokens % 8:
-            bad.append(f"{tokens} tokens per micro-batch and rank (not a multiple of 8)")
+        if tokens % te_compat.FP8_TOKENS:
+            bad.append(f"{tokens} tokens per micro-batch and rank (not a multiple of "
+                       f"{te_compat.FP8_TOKENS})")
         if bad:
             raise ArgumentError(f"--fp8-format {args.fp8_format}: TE's FP8 GEMMs refuse "
                                 f"{'; '.join(bad)}")

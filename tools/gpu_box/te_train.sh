@@ -35,7 +35,7 @@ fi
 
 COMMON=(--preset 1b --residual "$RESIDUAL" --micro-batch-size 4 --global-batch-size 8
         --train-iters 100 --lr-warmup-iters 10 --eval-interval 100 --eval-iters 2
-        --seed 1234 --no-progress)
+        --seed 1234 --no-progress ${LR:+--lr "$LR"})
 declare -A ARM_FLAGS=(
     [local]="--transformer-impl local"
     [te_bf16]="--transformer-impl transformer_engine"
