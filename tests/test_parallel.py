@@ -85,10 +85,11 @@ def _global_name(name: str, model) -> str:
     return name
 
 
-def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None):
+def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None, layers: int = 4):
     """Build, (load ref weights), run one forward-backward; return weights, losses, grads.
 
-    ``vp``: virtual stages per pipeline rank (interleaved schedule, one layer per chunk)."""
+    ``vp``: virtual stages per pipeline rank (interleaved schedule, one layer per chunk);
+    ``layers``: the model's depth (``BASE`` has 4)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -103,8 +104,9 @@ def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None):
         torch.manual_seed(SEED)
         model_parallel_cuda_manual_seed(SEED)
         extra = ["--sequence-parallel"] if sp else []
+        extra += ["--num-layers", str(layers)]
         if vp:
-            extra += ["--num-layers-per-virtual-pipeline-stage", str(4 // (pp * vp))]
+            extra += ["--num-layers-per-virtual-pipeline-stage", str(layers // (pp * vp))]
         args = parse_args(BASE + MODES[mode] + ["--tensor-model-parallel-size", str(tp),
                                                "--pipeline-model-parallel-size", str(pp)]
                           + extra)
@@ -166,12 +168,13 @@ def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
     apply_cpu_compat()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     report = {}
+    layers = 8 if any("L8" in layout for layout in layouts) else 4
     try:
         for mode in MODES:
-            ref = _run_layout(mode, 1, 1, None)
+            ref = _run_layout(mode, 1, 1, None, layers=layers)
             for layout in layouts:
                 res = _run_layout(mode, *layout[:2], ref, sp="sp" in layout,
-                                  vp=2 if "vp2" in layout else None)
+                                  vp=2 if "vp2" in layout else None, layers=layers)
                 loss_err = None
                 if res["losses"] is not None:
                     loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"]))
@@ -217,7 +220,21 @@ def _check(reports: dict, layouts) -> None:
             want = SEQ // layout[0] if "sp" in layout else SEQ
             assert all(r["decoder_rows"] in ([], [want]) for r in rows), (key, rows)
             assert any(r["decoder_rows"] for r in rows), key
-            if "vp2" in layout and mode != "standard":
+            if "vp2" in layout and "L8" in layout and mode != "standard":
+                # PP=4, 8 chunks of one layer: each chunk receives what hop_payloads says
+                # is new to its rank (the payload formula), and the cache ends empty.
+                from megatron_lrattn.pipeline import hop_payloads
+                from megatron_lrattn.schedule import depth_schedule
+
+                hops = hop_payloads(depth_schedule(8, 3),
+                                    list(range(2, 17, 2)), 4, seq_rows=SEQ,
+                                    micro_batch_size=MBS, width=64, bytes_per_element=4)
+                want = {str(h.hop + 1): [len(h.new_sources)] for h in hops}
+                wire = {c: n for r in rows for c, n in r["wire_sources"].items()}
+                assert wire == want, (key, wire, want)
+                assert sum(len(h.new_sources) for h in hops) < sum(len(h.sources) for h in hops)
+                assert all(r["cache_left"] == 0 for r in rows), key
+            elif "vp2" in layout and mode != "standard":
                 # L=4, N=3, one layer per chunk (ends 2, 4, 6, 8 on ranks 0, 1, 0, 1): chunks
                 # 1..3 receive v0 P[1:2] | B1 P[4:4] | B2 (naive: 2, 3, 3 sources); the
                 # rest comes from the rank-local cache, which is empty after the step.
@@ -242,6 +259,15 @@ def test_tp2_sp_pp2_and_interleaved_match_tp1pp1(tmp_path):
 def test_tp2xpp2_matches_tp1pp1(tmp_path):
     """TP=2 x PP=2 on four processes."""
     layouts = [(2, 2)]
+    reports = _spawn(4, layouts, tmp_path)
+    print(json.dumps(reports, indent=1))
+    _check(reports, layouts)
+
+
+def test_pp4_interleaved_matches_tp1pp1(tmp_path):
+    """PP=4 with 2 virtual stages per rank (8 layers, one per chunk) on four processes: the
+    layout of the four-GPU profile, with the rank-local source cache across 8 chunks."""
+    layouts = [(1, 4, "vp2", "L8")]
     reports = _spawn(4, layouts, tmp_path)
     print(json.dumps(reports, indent=1))
     _check(reports, layouts)
