@@ -316,6 +316,36 @@ def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> list:
     return [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]
 
 
+def test_pretrain_cli_tp2_pp2_vp2_dp2_distributed_optimizer_follows_one_process(tmp_path,
+                                                                              data_cache):
+    """The eight-GPU layout at the tiny scale: eight processes, TP=2 x PP=2 (2 virtual stages
+    per rank) x DP=2 with the distributed optimizer, resumed from a one-process checkpoint
+    whose optimizer state was saved ``fully_reshardable``, follow the one-process losses
+    (the iteration after the load uses the loaded Adam moments and step count). The same
+    checkpoint saved ``dp_reshardable`` is refused in one line naming both layouts."""
+    many = ["--global-batch-size", "16", "--train-iters", "3", "--use-distributed-optimizer"]
+    _pretrain(1, many + ["--save", str(tmp_path / "full"), "--exit-interval", "1",
+                         "--dist-ckpt-optim-fully-reshardable"], tmp_path / "init.jsonl",
+              data_cache)
+    ref = _pretrain(1, many + ["--load", str(tmp_path / "full")], tmp_path / "ref.jsonl",
+                    data_cache)
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--num-layers-per-virtual-pipeline-stage", "1"]
+    big = _pretrain(8, many + layout + ["--load", str(tmp_path / "full")],
+                    tmp_path / "big.jsonl", data_cache)
+    assert [i for i, _ in ref] == [i for i, _ in big] == [2, 3]
+    for (_, a), (_, b) in zip(big, ref):
+        assert abs(a - b) <= LOSS_RTOL * abs(b), (big, ref)
+
+    _pretrain(1, many + ["--save", str(tmp_path / "dp"), "--exit-interval", "1"],
+              tmp_path / "init_dp.jsonl", data_cache)
+    with pytest.raises(AssertionError, match=r"saved in the dp_reshardable format at TP=1, "
+                                             r"PP=1 and loads only at that layout; this run "
+                                             r"has TP=2, PP=2 with 2 virtual stages per rank"):
+        _pretrain(4, many + layout + ["--load", str(tmp_path / "dp")],
+                  tmp_path / "refused.jsonl", data_cache)
+
+
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
     """The default-data cache: ``$LRATTN_CACHE`` when set (shared across runs), else one

@@ -316,6 +316,39 @@ def check_compatible(meta: Dict[str, Any], config, path: str) -> None:
         raise CheckpointError(f"{path} was made with other model settings ({'; '.join(diffs)})")
 
 
+def _layout_text(tp: int, pp: int, vp: Optional[int]) -> str:
+    return f"TP={tp}, PP={pp}" + (f" with {vp} virtual stages per rank" if vp else "")
+
+
+def check_optimizer_layout(meta: Dict[str, Any], config, path: str) -> None:
+    """Refuse, in one line, distributed-optimizer state that cannot load at this layout.
+
+    ``dp_reshardable`` state (the default) is cut by megatron along its per-model-chunk
+    gradient buffers: it loads at any data-parallel size, but only at the TP, PP and virtual
+    stage counts it was saved with (anything else fails deep inside megatron's loader with a
+    ``KeyError`` about ``dp_group_idx``). ``fully_reshardable`` state and the plain
+    optimizer's state load anywhere.
+    """
+    saved = meta.get("args") or {}
+    if meta.get("optimizer_sharding", "dp_reshardable") != "dp_reshardable" or not saved.get(
+            "use_distributed_optimizer"):
+        return
+    tp, pp = saved.get("tensor_model_parallel_size", 1), saved.get(
+        "pipeline_model_parallel_size", 1)
+    per_virtual = saved.get("num_layers_per_virtual_pipeline_stage")
+    vp = saved["num_layers"] // (pp * per_virtual) if per_virtual and saved.get(
+        "num_layers") else None
+    now = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+           config.virtual_pipeline_model_parallel_size or None)
+    if (tp, pp, vp) != now:
+        raise CheckpointError(
+            f"{path}: its distributed-optimizer state was saved in the dp_reshardable format at "
+            f"{_layout_text(tp, pp, vp)} and loads only at that layout; this run has "
+            f"{_layout_text(*now)}. Resume at the saved layout (with "
+            "--dist-ckpt-optim-fully-reshardable there, its next checkpoints load at any "
+            "layout)")
+
+
 def _init_empty_adam_state(optimizer) -> None:
     """Give a fresh torch Adam(W) inside a distributed optimizer zero moments and step 0.
 
@@ -337,6 +370,46 @@ def _init_empty_adam_state(optimizer) -> None:
                     inner.state[p] = {"step": torch.tensor(0.0),
                                       "exp_avg": torch.zeros_like(p),
                                       "exp_avg_sq": torch.zeros_like(p)}
+
+
+@contextlib.contextmanager
+def _fully_reshardable_adam_load(optimizer, active: bool):
+    """Let megatron-core load ``fully_reshardable`` state into a torch Adam(W) (when
+    ``active``).
+
+    megatron's ``load_state_dict`` first gives every parameter's state a ``step`` (torch Adam
+    keeps one per parameter), then copies the checkpoint's per-parameter tensors into every
+    key of that state, and ``step`` is not among the tensors it read (the count lives in the
+    param groups): ``KeyError: 'step'``. For the duration, each per-parameter copy runs with
+    ``step`` held aside; ``_restore_adam_steps`` sets the saved count afterwards.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    if active:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if not isinstance(opt, DistributedOptimizer) or not isinstance(
+                    getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW)):
+                continue
+            original = opt._set_main_param_and_optimizer_states
+
+            def copy_without_step(model_param, tensors, _opt=opt, _original=original):
+                group, order = _opt.model_param_group_index_map[model_param]
+                state = _opt.optimizer.state[_opt.optimizer.param_groups[group]["params"][order]]
+                step = state.pop("step", None) if "step" not in tensors else None
+                try:
+                    _original(model_param, tensors)
+                finally:
+                    if step is not None:
+                        state["step"] = step
+
+            opt._set_main_param_and_optimizer_states = copy_without_step
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
 
 
 def _restore_adam_steps(optimizer, loaded: Dict[str, Any]) -> None:
@@ -375,6 +448,7 @@ def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config) -
     path = latest_checkpoint(load_dir)
     meta = read_meta(path)
     check_compatible(meta, config, path)
+    check_optimizer_layout(meta, config, path)
     model_sd = _model_sharded_state_dict(models)
     _init_empty_adam_state(optimizer)
     metadata = _optim_metadata(meta.get("optimizer_sharding", "dp_reshardable"))
@@ -387,7 +461,8 @@ def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config) -
     else:
         for i, m in enumerate(models):
             m.load_state_dict(loaded["model"][f"model{i}"])
-    with torch.no_grad():
+    with torch.no_grad(), _fully_reshardable_adam_load(
+            optimizer, metadata["distrib_optim_sharding_type"] == "fully_reshardable"):
         # In fp32 the distributed optimizer's main parameters are views of the model's
         # leaf parameters; the in-place copy of the load must not be recorded by autograd.
         optimizer.load_state_dict(loaded["optimizer"])
