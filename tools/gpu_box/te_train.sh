@@ -8,7 +8,8 @@
 # last 10, validation loss at 100, peak memory), so arms split over calls share one table.
 #   GIT_SHA=<sha> bash tools/gpu_box/te_train.sh      carry: the megatron-core wheel (.whl/)
 # RESIDUAL=standard|attnres|lr_attnres (default lr_attnres, sliced keys r = d/4, N = 8);
-# ARMS="local te_bf16 te_fp8_delayed te_fp8_tensorwise" picks arms; TE_TESTS=0 skips pytest.
+# ARMS="local te_bf16 te_fp8_delayed te_fp8_tensorwise" picks arms; TE_TESTS=0 skips pytest;
+# LR overrides the preset's learning rate (docs/performance.md uses LR=3e-4).
 set -euo pipefail
 OUT=${OUT:-/tmp/lrattn_out}
 RESIDUAL=${RESIDUAL:-lr_attnres}
