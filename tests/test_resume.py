@@ -180,3 +180,41 @@ def test_prune_keeps_the_newest_and_the_one_latest_names(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000001", "iter_0000003", "iter_0000004", "iter_0000005.tmp", "iter_0000006",
         "latest"]
+
+
+@pytest.mark.parametrize("saved, now, refused", [
+    # (TP, PP, layers per virtual stage, distributed optimizer, sharding) saved; (TP, PP, V) now
+    ((1, 1, None, True, "dp_reshardable"), (1, 1, None), False),
+    ((2, 2, 1, True, "dp_reshardable"), (2, 2, 2), False),
+    ((1, 1, None, True, "dp_reshardable"), (2, 1, None), True),
+    ((2, 2, None, True, "dp_reshardable"), (2, 2, 2), True),
+    ((2, 2, 1, True, "dp_reshardable"), (2, 2, None), True),
+    ((1, 1, None, True, "fully_reshardable"), (2, 2, 2), False),
+    ((1, 1, None, False, "dp_reshardable"), (2, 2, 2), False),
+])
+def test_optimizer_state_layout_check(saved, now, refused):
+    """dp_reshardable distributed-optimizer state is refused, in one line naming both layouts,
+    at another TP/PP/virtual layout (any DP size is fine); fully_reshardable state and the
+    plain optimizer's state are not."""
+    from types import SimpleNamespace
+
+    from megatron_lrattn.training.checkpoint import CheckpointError, check_optimizer_layout
+
+    tp, pp, per_virtual, distributed, sharding = saved
+    meta = {"optimizer_sharding": sharding,
+            "args": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                     "num_layers_per_virtual_pipeline_stage": per_virtual, "num_layers": 4,
+                     "use_distributed_optimizer": distributed}}
+    config = SimpleNamespace(tensor_model_parallel_size=now[0],
+                             pipeline_model_parallel_size=now[1],
+                             virtual_pipeline_model_parallel_size=now[2])
+    if not refused:
+        check_optimizer_layout(meta, config, "ckpt/iter_0000002")
+        return
+    with pytest.raises(CheckpointError) as err:
+        check_optimizer_layout(meta, config, "ckpt/iter_0000002")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("ckpt/iter_0000002: ")
+    assert f"saved in the dp_reshardable format at TP={tp}, PP={pp}" in msg
+    assert f"this run has TP={now[0]}, PP={now[1]}" in msg
+    assert "--dist-ckpt-optim-fully-reshardable" in msg
