@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -349,6 +349,17 @@ def check_optimizer_layout(meta: Dict[str, Any], config, path: str) -> None:
             "layout)")
 
 
+def _distributed_torch_adams(optimizer) -> List[Tuple[int, Any]]:
+    """``(index in the chain, optimizer)`` of every megatron ``DistributedOptimizer`` in
+    ``optimizer`` (plain or chained) that wraps a torch Adam(W): the ones whose per-parameter
+    ``step`` state megatron-core mishandles without Apex/TE."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [(i, opt) for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer]))
+            if isinstance(opt, DistributedOptimizer)
+            and isinstance(getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+
+
 def _init_empty_adam_state(optimizer) -> None:
     """Give a fresh torch Adam(W) inside a distributed optimizer zero moments and step 0.
 
@@ -357,13 +368,8 @@ def _init_empty_adam_state(optimizer) -> None:
     The zeros are overwritten by the load; parameters are left untouched (unlike a dummy
     optimizer step, which would apply weight decay).
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(
-                inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
+    for _, opt in _distributed_torch_adams(optimizer):
+        inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
@@ -383,14 +389,9 @@ def _fully_reshardable_adam_load(optimizer, active: bool):
     param groups): ``KeyError: 'step'``. For the duration, each per-parameter copy runs with
     ``step`` held aside; ``_restore_adam_steps`` sets the saved count afterwards.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     patched = []
     if active:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if not isinstance(opt, DistributedOptimizer) or not isinstance(
-                    getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW)):
-                continue
+        for _, opt in _distributed_torch_adams(optimizer):
             original = opt._set_main_param_and_optimizer_states
 
             def copy_without_step(model_param, tensors, _opt=opt, _original=original):
@@ -422,15 +423,10 @@ def _restore_adam_steps(optimizer, loaded: Dict[str, Any]) -> None:
     torch's foreach Adam then increments once per parameter). Either way the bias
     correction of the resumed run is wrong. The count saved in the param groups is right.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for i, opt in enumerate(chained):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(
-                inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        saved = loaded if len(chained) == 1 else loaded[i]
+    single = len(getattr(optimizer, "chained_optimizers", [optimizer])) == 1
+    for i, opt in _distributed_torch_adams(optimizer):
+        inner = opt.optimizer
+        saved = loaded if single else loaded[i]
         steps = {g.get("step") for g in saved.get("optimizer", {}).get("param_groups", [])}
         if len(steps) != 1 or None in steps:
             continue
