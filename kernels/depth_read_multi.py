@@ -383,7 +383,13 @@ def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     # "multi_min_bk": pad the query axis of the tiles to at least this many (masked) rows
     bk = max(triton.next_power_of_2(K), _dr.TUNE.get("multi_min_bk", 1))
     br = max(16, triton.next_power_of_2(r))
-    bt = max(1, min(_dr.TUNE.get("multi_tile", MAX_TILE) // (bk * bd),
+    # One token per program unless "multi_tile" asks for more. Compiled with triton 3.6 on an
+    # H200, programs of several tokens (BT > 1: d <= 1024 at K <= 8) returned wrong value
+    # and key gradients (relative errors 1.6-3.0 at the tiny and study-25m block shapes, and
+    # a training curve far off per-site reads); the same kernels at BT = 1 pass and train
+    # like per-site reads (benchmarks/results/two_phase_diag_2026-12-01.log). The Triton
+    # interpreter gets BT > 1 right, so tests/test_two_phase_ops.py keeps it covered there.
+    bt = max(1, min(_dr.TUNE.get("multi_tile", bk * bd) // (bk * bd),
                     triton.next_power_of_2(max(T, 1))))
     warps = _dr.TUNE.get("multi_warps", max(4, min(16, bt * bk * bd // 1024)))
     return bt, bk, bd, br, warps

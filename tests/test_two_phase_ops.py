@@ -391,3 +391,16 @@ def test_multi_2d_variant_matches(projected, monkeypatch):
     monkeypatch.setitem(kdr.TUNE, "multi2d_tile", 1024)  # d=64: 16 tokens per program
     check_block(40, 64, 16, 3, 2, projected, "triton")
     check_block(40, 64, 16 if projected else 64, 1, 1, projected, "triton")
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_multi_many_token_programs_match(projected, monkeypatch):
+    """Phase-1 programs of several tokens (``TUNE["multi_tile"]``; the default is one token
+    per program because the compiled kernels got BT > 1 wrong on an H200, see
+    ``_tiles``): under the interpreter the 3-D tiles [BT > 1, BK, BD] stay exact."""
+    monkeypatch.setitem(kdr.TUNE, "multi_tile", 16384)
+    name = "projected" if projected else "sliced"
+    T, d, r, S, K, _ = STRESS[name]
+    for dtype in (torch.float32, torch.bfloat16):
+        check_multi(T, d, r, S, K, dtype, projected, "triton")
+    check_block(40, 64, 16, 3, 2, projected, "triton")

@@ -89,7 +89,7 @@ def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None) -> Runti
 
 @contextlib.contextmanager
 def single_process_model_parallel():
-    """A one-process gloo group with TP = PP = 1, for tools and tests that build a model in
+    """A one-process group (gloo; NCCL for CUDA tensors) with TP = PP = 1, for tools and tests that build a model in
     the current process (the CPU compatibility layer is applied when CUDA is absent).
 
     Creates only what does not exist yet and tears down only what it created.
@@ -104,7 +104,9 @@ def single_process_model_parallel():
         fd, store = tempfile.mkstemp(prefix="lrattn_gloo_")
         os.close(fd)
         os.unlink(store)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        # gloo for CPU tensors, NCCL for CUDA ones (gloo cannot reduce CUDA tensors)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
         made_pg = True
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
