@@ -252,6 +252,62 @@ def sweep(T, copy_tbps):
         kdr.TUNE.clear()
 
 
+def src_sweep(T, copy_tbps, widths=(2048, 4096)):
+    """Sweep the source-tiled kernels (sources per step, warps, pipeline stages; backward
+    programs per SM) at S=9, sliced r=d/4, then keep the fastest forward and backward
+    settings per width in ``kdr.TUNE`` for the table that follows (printed, so the run says
+    which settings produced its rows). Returns {d: settings}."""
+    S = 9
+    best = {}
+    for d in widths:
+        r = d // 4
+        vals, query, _, grad = make(T, d, r, S, False, seed=3)
+        fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
+        ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
+        fwd_res, bwd_res = [], []
+        for bl in (2, 4, 8):
+            for warps in (4, 8, 16):
+                if warps * 32 * 8 > bl * triton.next_power_of_2(d):
+                    continue  # fewer than 8 elements per thread
+                for stages in (1, 2, 3):
+                    kdr.TUNE.clear()
+                    kdr.TUNE.update(impl=1, src_sources=bl, src_warps=warps, src_stages=stages)
+                    with torch.no_grad():
+                        tf = bench(lambda: kdr.depth_read_triton(vals, query), rep=100)
+                    pct = 100 * fwd_bytes / tf / 1e9 / copy_tbps
+                    fwd_res.append((pct, dict(src_sources=bl, src_warps=warps,
+                                              src_stages=stages)))
+                    print(f"src sweep fwd d={d} BL={bl} warps={warps} stages={stages}: "
+                          f"{tf:.3f} ms {pct:.1f}%", flush=True)
+        fbest = max(fwd_res, key=lambda x: x[0])[1]
+        for bl in (1, 2, 4):
+            for warps in (4, 8, 16):
+                if warps * 32 * 8 > bl * triton.next_power_of_2(d):
+                    continue
+                for stages in (1, 2):
+                    for ctas in (4, 8, 16):
+                        kdr.TUNE.clear()
+                        kdr.TUNE.update(impl=1, src_bwd_sources=bl, src_bwd_warps=warps,
+                                        src_bwd_stages=stages, src_ctas_per_sm=ctas, **fbest)
+                        fn = kdr.depth_read_triton
+                        err = check(fn, vals, query, None, grad, ref)
+                        if not err <= TOL_BF16:
+                            print(f"src sweep bwd d={d} BL={bl} warps={warps} stages={stages} "
+                                  f"ctas/sm={ctas}: RED CHECK {err:.1e}", flush=True)
+                            continue
+                        tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
+                        pct = 100 * fb_bytes / tb / 1e9 / copy_tbps
+                        bwd_res.append((pct, dict(src_bwd_sources=bl, src_bwd_warps=warps,
+                                                  src_bwd_stages=stages, src_ctas_per_sm=ctas)))
+                        print(f"src sweep fwd+bwd d={d} BL={bl} warps={warps} stages={stages} "
+                              f"ctas/sm={ctas}: {tb:.3f} ms {pct:.1f}%", flush=True)
+        best[d] = dict(fbest, **max(bwd_res, key=lambda x: x[0])[1])
+        print(f"src sweep best d={d}: {best[d]}", flush=True)
+        del vals, grad, ref
+    kdr.TUNE.clear()
+    return best
+
+
 def prefetch_ab(T, copy_tbps):
     """The same kernels with and without loading the next source ahead, side by side."""
     for d in (2048, 4096):
@@ -362,13 +418,16 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--widths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--sources", type=int, nargs="+", default=[9, 17])
-    ap.add_argument("--extra", default="2048:33", help="more d:S pairs, comma separated")
+    ap.add_argument("--widths", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--sources", type=int, nargs="+", default=[4, 9, 17])
+    ap.add_argument("--extra", default="", help="more d:S pairs, comma separated (e.g. 2048:33)")
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "depth_read.csv"))
     ap.add_argument("--sweep", action="store_true",
                     help="sweep kernel tiles first (with --block: the phase-1 tiles)")
+    ap.add_argument("--src-sweep", action="store_true",
+                    help="sweep the source-tiled kernels first and time the table with the "
+                         "fastest settings per width (printed)")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="time the kernels with and without next-source prefetch first")
     ap.add_argument("--block", action="store_true",
@@ -397,6 +456,8 @@ def main():
     print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
     if args.sweep and not args.block:
         sweep(T, copy_tbps)
+    tuned = src_sweep(T, copy_tbps, sorted(set(args.widths) & {2048, 4096}) or (2048,)) \
+        if args.src_sweep else {}
     if args.prefetch_ab:
         prefetch_ab(T, copy_tbps)
     if args.block:
@@ -412,6 +473,10 @@ def main():
         if new:
             w.writeheader()
         for d, S in pairs:
+            kdr.TUNE.clear()
+            kdr.TUNE.update(tuned.get(d, {}))
+            if tuned.get(d):
+                print(f"d={d}: source-tiled settings from the sweep {tuned[d]}", flush=True)
             for keys_kind, r in (("sliced", d // 4), ("sliced", d), ("projected", d // 4)):
                 label = "attnres" if r == d else keys_kind
                 print(f"T={T} d={d} S={S} r={r} {label}", flush=True)

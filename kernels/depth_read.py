@@ -251,6 +251,166 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
 
 
+# --- Source-tiled kernels (TUNE["impl"] = 1, the default for d >= SRC_MIN_WIDTH): one
+# token row per program and BL sources per step, so BL row loads are in flight per
+# program instead of one, and the loop over source tiles is software-pipelined
+# (``tl.range(num_stages=STAGES)``). The sources' pointers come from the same tables.
+
+
+@triton.jit
+def _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL: tl.constexpr):
+    # v: [BL, BD] fp32 rows of sources base..base+BL-1 (masked past S); smask [BL]
+    src = base + tl.arange(0, BL)
+    smask = src < S
+    vp = tl.load(v_tab + src, mask=smask, other=0).to(tl.pointer_type(vref.dtype.element_ty))
+    vst = tl.load(vs_tab + src, mask=smask, other=0)
+    v = tl.load(vp[:, None] + (row64 * vst)[:, None] + cols[None, :],
+                mask=smask[:, None] & cmask[None, :], other=0.0)
+    return v.to(tl.float32), src, smask
+
+
+@triton.jit
+def _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r):
+    # kf: [BL, BR] fp32 projected keys of the tile's sources
+    kp = tl.load(k_tab + src, mask=smask, other=0).to(tl.pointer_type(kref.dtype.element_ty))
+    kst = tl.load(ks_tab + src, mask=smask, other=0)
+    kf = tl.load(kp[:, None] + (row64 * kst)[:, None] + rcols[None, :],
+                 mask=smask[:, None] & (rcols < r)[None, :], other=0.0)
+    return kf.to(tl.float32)
+
+
+@triton.jit
+def _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
+    # logits s and inverse key RMS rstd, [BL] (finite on masked rows: they read zeros)
+    if PROJECTED:
+        rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+        s = scale * tl.sum(kf * qk[None, :], axis=1) * rstd
+    else:
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.where(keycol[None, :], v * v, 0.0), axis=1) / r + eps)
+        s = scale * tl.sum(v * qk[None, :], axis=1) * rstd
+    return s, rstd
+
+
+@triton.jit
+def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_ptr,
+                    T, S, d, r, eps, scale,
+                    PROJECTED: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
+                    BR: tl.constexpr, STAGES: tl.constexpr):
+    row64 = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    cmask = cols < d
+    rcols = tl.arange(0, BR)
+    qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
+    m = tl.max(tl.full([BL], float("-inf"), tl.float32), axis=0)
+    l = tl.sum(tl.zeros([BL], tl.float32), axis=0)
+    acc = tl.zeros([BD], tl.float32)
+    for base in tl.range(0, S, BL, num_stages=STAGES):
+        v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL)
+        kf = v
+        if PROJECTED:
+            kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r)
+        s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
+        s = tl.where(smask, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l = l * alpha + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(out_ptr + row64 * d + cols, (acc / l).to(out_ptr.dtype.element_ty), mask=cmask)
+    tl.store(lse_ptr + row64, m + tl.log(l))
+
+
+@triton.jit
+def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
+                    q_ptr, lse_ptr, g_ptr, g_stride, o_ptr, da_ptr, gq_part_ptr,
+                    T, S, d, r, eps, scale,
+                    PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BL: tl.constexpr,
+                    BD: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr):
+    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BD)
+    cmask = cols < d
+    rcols = tl.arange(0, BR)
+    qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
+    gq = tl.zeros_like(qk)
+    for row in range(pid, T, nprog):
+        row64 = tl.cast(row, tl.int64)
+        g = tl.load(g_ptr + row64 * g_stride + cols, mask=cmask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + row64)
+        if PROJECTED:
+            # values once (dv = a g, exact delta, <g, v_i> parked in fp32 scratch), then keys
+            delta = tl.sum(tl.zeros([BL], tl.float32), axis=0)
+            for base in tl.range(0, S, BL, num_stages=STAGES):
+                v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL)
+                kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r)
+                s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
+                a = tl.where(smask, tl.exp(s - lse), 0.0)
+                da = tl.sum(g[None, :] * v, axis=1)
+                delta += tl.sum(a * da, axis=0)
+                tl.store(da_ptr + src.to(tl.int64) * T + row64, da, mask=smask)
+                dvp = tl.load(dv_tab + src, mask=smask, other=0).to(
+                    tl.pointer_type(vref.dtype.element_ty))
+                tl.store(dvp[:, None] + row64 * d + cols[None, :],
+                         (a[:, None] * g[None, :]).to(vref.dtype.element_ty),
+                         mask=smask[:, None] & cmask[None, :])
+            tl.debug_barrier()
+            for base in tl.range(0, S, BL, num_stages=STAGES):
+                src = base + tl.arange(0, BL)
+                smask = src < S
+                kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r)
+                s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, PROJECTED)
+                a = tl.where(smask, tl.exp(s - lse), 0.0)
+                da = tl.load(da_ptr + src.to(tl.int64) * T + row64, mask=smask, other=0.0)
+                ds = a * (da - delta)
+                dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
+                gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
+                dkp = tl.load(dk_tab + src, mask=smask, other=0).to(
+                    tl.pointer_type(kref.dtype.element_ty))
+                tl.store(dkp[:, None] + row64 * r + rcols[None, :],
+                         dk.to(kref.dtype.element_ty), mask=smask[:, None] & (rcols < r)[None, :])
+        else:
+            # delta = sum_i a_i <g, v_i> = <g, out> (exact without a saved output)
+            if HAS_OUT:
+                o = tl.load(o_ptr + row64 * d + cols, mask=cmask, other=0.0).to(tl.float32)
+                delta = tl.sum(g * o, axis=0)
+            else:
+                delta = tl.sum(tl.zeros([BL], tl.float32), axis=0)
+                for base in tl.range(0, S, BL, num_stages=STAGES):
+                    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask,
+                                              BL)
+                    s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, PROJECTED)
+                    a = tl.where(smask, tl.exp(s - lse), 0.0)
+                    delta += tl.sum(a * tl.sum(g[None, :] * v, axis=1), axis=0)
+            # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after
+            # the loop with the exact delta (dex) and ck = sum_i a_i rstd_i v_i
+            dex = tl.sum(tl.zeros([BL], tl.float32), axis=0)
+            ck = tl.zeros_like(qk)
+            for base in tl.range(0, S, BL, num_stages=STAGES):
+                v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL)
+                s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, PROJECTED)
+                a = tl.where(smask, tl.exp(s - lse), 0.0)
+                da = tl.sum(g[None, :] * v, axis=1)
+                ds = a * (da - delta)
+                if HAS_OUT:
+                    dex += tl.sum(a * da, axis=0)
+                    ck += tl.sum((a * rstd)[:, None] * v, axis=0)
+                dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
+                gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
+                dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
+                dvp = tl.load(dv_tab + src, mask=smask, other=0).to(
+                    tl.pointer_type(vref.dtype.element_ty))
+                tl.store(dvp[:, None] + row64 * d + cols[None, :],
+                         dv.to(vref.dtype.element_ty), mask=smask[:, None] & cmask[None, :])
+            if HAS_OUT:
+                gq += (scale * (delta - dex)) * ck
+    if PROJECTED:
+        tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
+    else:
+        tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
+
+
 def _alloc(shape, dtype, device) -> Tensor:
     if POISON:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -280,6 +440,37 @@ def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]
     bt = max(1, min(tile // bd, triton.next_power_of_2(max(T, 1))))
     warps = TUNE.get("warps", max(4, min(16, bt * bd // 1024)))
     return bt, bd, br, warps
+
+
+# Widths from which the source-tiled kernels run by default (narrower rows keep the
+# token-tiled kernels: one row per program would leave most lanes idle).
+SRC_MIN_WIDTH = 512
+
+
+def _impl(d: int) -> str:
+    """"src" (source-tiled, one token row per program) or "row" (token-tiled)."""
+    impl = TUNE.get("impl")
+    if impl is None:
+        return "src" if d >= SRC_MIN_WIDTH else "row"
+    return {0: "row", 1: "src"}[int(impl)]
+
+
+def _src_tiles(d: int, S: int, backward: bool) -> Tuple[int, int, int]:
+    """(BL sources per step, num_warps, pipeline stages) of the source-tiled kernels."""
+    pre = "src_bwd_" if backward else "src_"
+    bl = TUNE.get(pre + "sources", 4)
+    bl = max(1, min(triton.next_power_of_2(bl), triton.next_power_of_2(S)))
+    bd = triton.next_power_of_2(d)
+    warps = TUNE.get(pre + "warps", max(2, min(16, bl * bd // 1024)))
+    return bl, warps, TUNE.get(pre + "stages", 2)
+
+
+def _src_programs(T: int, dev: torch.device) -> int:
+    """Persistent programs of the source-tiled backward (each writes one grad_q partial)."""
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        return max(1, min(T, sms * TUNE.get("src_ctas_per_sm", 8)))
+    return max(1, min(T, 3))
 
 
 def _table(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -334,6 +525,13 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
     v_tab, vs_tab = _table(vs)
     k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
     kref = ks[0] if projected else vs[0]
+    if _impl(d) == "src":
+        bl, warps, stages = _src_tiles(d, len(vs), backward=False)
+        _fwd_src_kernel[(T,)](
+            v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
+            T, len(vs), d, r, eps, scale,
+            PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, num_warps=warps)
+        return out, lse
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
         T, len(vs), d, r, eps, scale,
@@ -367,6 +565,18 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
     # projected keys need no output: delta is exact after one pass over the values
     da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
     has_out = out is not None and not projected
+    if _impl(d) == "src":
+        bl, warps, stages = _src_tiles(d, len(vs), backward=True)
+        nprog = _src_programs(T, dev)
+        parts = _alloc((nprog, r), torch.float32, dev)
+        da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
+        _bwd_src_kernel[(nprog,)](
+            v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vs[0], kref,
+            query, lse, g, g.stride(0), out if has_out else g, da, parts,
+            T, len(vs), d, r, eps, scale,
+            PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
+            num_warps=warps)
+        return parts.sum(0), dvs, dks
     _bwd_kernel[(nprog,)](
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vs[0], kref,
         query, lse, g, g.stride(0), out if has_out else g, da, parts,

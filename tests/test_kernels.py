@@ -43,6 +43,14 @@ def _poison(monkeypatch):
     monkeypatch.setattr(kdr, "POISON", True)
 
 
+@pytest.fixture(autouse=True, params=[0, 1], ids=["row_tiled", "source_tiled"])
+def impl(request, monkeypatch):
+    """Every test runs on both kernel families: token-tiled (``TUNE["impl"] = 0``) and
+    source-tiled (1: one token row per program, BL sources per step)."""
+    monkeypatch.setitem(kdr.TUNE, "impl", request.param)
+    return request.param
+
+
 def rel_rms(x, ref, floor=1e-30):
     """RMS(x - ref) / RMS(ref); ``floor`` stands in for RMS(ref) when that is smaller
     (an identically zero reference, e.g. every key gradient of a single source)."""
@@ -227,3 +235,19 @@ GPU_SHAPES = {
 def test_parity_large_bf16(name, save_output):
     T, d, r, S, projected = GPU_SHAPES[name]
     check(T, d, r, S, torch.bfloat16, projected, save_output)
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_source_tiles_and_stages(projected, impl, monkeypatch):
+    """Source-tiled kernels at other tiles (BL = 1, 2, 8 sources per step, 1 or 3 pipeline
+    stages, few persistent backward programs) meet the same table."""
+    if impl != 1:
+        pytest.skip("source-tiled kernels only")
+    T, d, r, S, _ = STRESS["projected" if projected else "sliced"]
+    for bl, stages, ctas in ((1, 1, 1), (2, 3, 2), (8, 2, 8)):
+        for pre in ("src_", "src_bwd_"):
+            monkeypatch.setitem(kdr.TUNE, pre + "sources", bl)
+            monkeypatch.setitem(kdr.TUNE, pre + "stages", stages)
+        monkeypatch.setitem(kdr.TUNE, "src_ctas_per_sm", ctas)
+        for dtype in (torch.float32, torch.bfloat16):
+            check(T, d, r, S + 5, dtype, projected)
