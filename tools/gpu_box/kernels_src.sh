@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Source-tiled depth-read kernels on one H200, in one call: the large bf16 parity tests of
+# both kernel families, then the benchmark with --src-sweep (the sweep picks the settings per
+# width and the table that follows is timed with them, peers side by side).
+#   GIT_SHA=<sha> bash tools/gpu_box/pack.sh tools/gpu_box/kernels_src.sh [bench args...]
+# (carry .whl/ with megatron-core and, for the peers, fla-core and fast-attnres wheels)
+set -uo pipefail
+HEADER="source-tiled depth-read kernels" source "$(dirname "$0")/common.sh"
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "large" 2>&1 | tail -15 \
+    | tee -a "$OUT/log" || echo "KERNEL TESTS FAILED" | tee -a "$OUT/log"
+python3 benchmarks/bench_depth_read.py --csv "$OUT/depth_read.csv" --src-sweep "$@" 2>&1 \
+    | tee -a "$OUT/log"
