@@ -216,8 +216,8 @@ def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False, compil
             continue
         peak = peak_extra_mib(lambda: fwd_bwd(fn, vals, query, keys, grad))
         with torch.no_grad():
-            t_fwd = bench(lambda: fn(vals, query, keys), rep=200)
-        t_fb = bench(lambda: fwd_bwd(fn, vals, query, keys, grad), rep=300)
+            t_fwd = bench(lambda: fn(vals, query, keys), rep=100)
+        t_fb = bench(lambda: fwd_bwd(fn, vals, query, keys, grad), rep=150)
         for p, ms in (("fwd", t_fwd), ("fwdbwd", t_fb)):
             tbps = nbytes[p] / ms / 1e9
             rows.append(dict(row, **{"pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
@@ -253,8 +253,8 @@ def sweep(T, copy_tbps):
 
 
 def src_sweep(T, copy_tbps, widths=(2048, 4096)):
-    """Sweep the source-tiled kernels (sources per step, warps, pipeline stages; backward
-    programs per SM) at S=9, sliced r=d/4, then keep the fastest forward and backward
+    """Sweep the source-tiled kernels (source loop unrolled or not, sources per step, warps;
+    backward programs per SM) at S=9, sliced r=d/4, then keep the fastest forward and backward
     settings per width in ``kdr.TUNE`` for the table that follows (printed, so the run says
     which settings produced its rows). Returns {d: settings}."""
     S = 9
@@ -265,42 +265,40 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
         ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
         fwd_res, bwd_res = [], []
-        for bl in (2, 4, 8):
-            for warps in (4, 8, 16):
-                if warps * 32 * 8 > bl * triton.next_power_of_2(d):
-                    continue  # fewer than 8 elements per thread
-                for stages in (1, 2, 3):
+        for unroll in (32, 0):
+            for bl in (1, 2, 4):
+                for warps in (4, 8):
                     kdr.TUNE.clear()
-                    kdr.TUNE.update(impl=1, src_sources=bl, src_warps=warps, src_stages=stages)
+                    kdr.TUNE.update(impl=1, src_sources=bl, src_warps=warps, src_stages=1,
+                                    src_unroll_max=unroll)
                     with torch.no_grad():
                         tf = bench(lambda: kdr.depth_read_triton(vals, query), rep=100)
                     pct = 100 * fwd_bytes / tf / 1e9 / copy_tbps
-                    fwd_res.append((pct, dict(src_sources=bl, src_warps=warps,
-                                              src_stages=stages)))
-                    print(f"src sweep fwd d={d} BL={bl} warps={warps} stages={stages}: "
+                    fwd_res.append((pct, dict(src_sources=bl, src_warps=warps, src_stages=1,
+                                              src_unroll_max=unroll)))
+                    print(f"src sweep fwd d={d} unroll={unroll > 0} BL={bl} warps={warps}: "
                           f"{tf:.3f} ms {pct:.1f}%", flush=True)
         fbest = max(fwd_res, key=lambda x: x[0])[1]
-        for bl in (1, 2, 4):
-            for warps in (4, 8, 16):
-                if warps * 32 * 8 > bl * triton.next_power_of_2(d):
-                    continue
-                for stages in (1, 2):
-                    for ctas in (4, 8, 16):
-                        kdr.TUNE.clear()
-                        kdr.TUNE.update(impl=1, src_bwd_sources=bl, src_bwd_warps=warps,
-                                        src_bwd_stages=stages, src_ctas_per_sm=ctas, **fbest)
-                        fn = kdr.depth_read_triton
-                        err = check(fn, vals, query, None, grad, ref)
-                        if not err <= TOL_BF16:
-                            print(f"src sweep bwd d={d} BL={bl} warps={warps} stages={stages} "
-                                  f"ctas/sm={ctas}: RED CHECK {err:.1e}", flush=True)
-                            continue
-                        tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
-                        pct = 100 * fb_bytes / tb / 1e9 / copy_tbps
-                        bwd_res.append((pct, dict(src_bwd_sources=bl, src_bwd_warps=warps,
-                                                  src_bwd_stages=stages, src_ctas_per_sm=ctas)))
-                        print(f"src sweep fwd+bwd d={d} BL={bl} warps={warps} stages={stages} "
-                              f"ctas/sm={ctas}: {tb:.3f} ms {pct:.1f}%", flush=True)
+        for bl in (1, 2):
+            for warps in (4, 8):
+                for ctas in (8, 16):
+                    kdr.TUNE.clear()
+                    kdr.TUNE.update(fbest)
+                    kdr.TUNE.update(impl=1, src_bwd_sources=bl, src_bwd_warps=warps,
+                                    src_bwd_stages=1, src_ctas_per_sm=ctas)
+                    fn = kdr.depth_read_triton
+                    err = check(fn, vals, query, None, grad, ref)
+                    if not err <= TOL_BF16:
+                        print(f"src sweep bwd d={d} BL={bl} warps={warps} ctas/sm={ctas}: "
+                              f"RED CHECK {err:.1e}", flush=True)
+                        continue
+                    tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
+                    pct = 100 * fb_bytes / tb / 1e9 / copy_tbps
+                    bwd_res.append((pct, dict(src_bwd_sources=bl, src_bwd_warps=warps,
+                                              src_bwd_stages=1, src_ctas_per_sm=ctas)))
+                    print(f"src sweep fwd+bwd d={d} unroll={fbest['src_unroll_max'] > 0} "
+                          f"BL={bl} warps={warps} ctas/sm={ctas}: {tb:.3f} ms {pct:.1f}%",
+                          flush=True)
         best[d] = dict(fbest, **max(bwd_res, key=lambda x: x[0])[1])
         print(f"src sweep best d={d}: {best[d]}", flush=True)
         del vals, grad, ref

@@ -258,23 +258,42 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
 
 
 @triton.jit
-def _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL: tl.constexpr):
+def _tab_ptrs(tab, src, smask, ref):
+    # typed pointers of entries src of a pointer table
+    a = tl.load(tab + src, mask=smask, other=0)
+    return a.to(tl.pointer_type(ref.dtype.element_ty))
+
+
+@triton.jit
+def _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL: tl.constexpr,
+              PA: tl.constexpr, SA: tl.constexpr):
     # v: [BL, BD] fp32 rows of sources base..base+BL-1 (masked past S); smask [BL]
     src = base + tl.arange(0, BL)
     smask = src < S
-    vp = tl.load(v_tab + src, mask=smask, other=0).to(tl.pointer_type(vref.dtype.element_ty))
+    vp = _tab_ptrs(v_tab, src, smask, vref)
     vst = tl.load(vs_tab + src, mask=smask, other=0)
-    v = tl.load(vp[:, None] + (row64 * vst)[:, None] + cols[None, :],
-                mask=smask[:, None] & cmask[None, :], other=0.0)
+    ptrs = vp[:, None] + (row64 * vst)[:, None] + cols[None, :]
+    if PA > 1 and SA > 1:
+        # PA: every table pointer is 16-byte aligned, SA: every row stride a multiple of
+        # 16 bytes' worth of elements (both checked on the host, ``_alignment``): declare
+        # each row aligned and contiguous so that it moves in 16-byte vectors. The compiler
+        # cannot see through pointers loaded from a table (element-wise loads otherwise),
+        # and the hint must sit in the function that does the load.
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
+    v = tl.load(ptrs, mask=smask[:, None] & cmask[None, :], other=0.0)
     return v.to(tl.float32), src, smask
 
 
 @triton.jit
-def _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r):
+def _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA: tl.constexpr,
+              SK: tl.constexpr):
     # kf: [BL, BR] fp32 projected keys of the tile's sources
-    kp = tl.load(k_tab + src, mask=smask, other=0).to(tl.pointer_type(kref.dtype.element_ty))
+    kp = _tab_ptrs(k_tab, src, smask, kref)
     kst = tl.load(ks_tab + src, mask=smask, other=0)
-    kf = tl.load(kp[:, None] + (row64 * kst)[:, None] + rcols[None, :],
+    ptrs = kp[:, None] + (row64 * kst)[:, None] + rcols[None, :]
+    if PA > 1 and SK > 1:  # 16-byte vectors (see _src_tile)
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
+    kf = tl.load(ptrs,
                  mask=smask[:, None] & (rcols < r)[None, :], other=0.0)
     return kf.to(tl.float32)
 
@@ -292,10 +311,33 @@ def _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
 
 
 @triton.jit
+def _fwd_src_step(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, cols, cmask,
+                  rcols, qk, keycol, r, eps, scale, m, l, acc,
+                  PROJECTED: tl.constexpr, BL: tl.constexpr, PA: tl.constexpr,
+                  SA: tl.constexpr, SK: tl.constexpr):
+    # one online-softmax step over sources base..base+BL-1
+    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
+    kf = v
+    if PROJECTED:
+        kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA, SK)
+    s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
+    s = tl.where(smask, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new)
+    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    l = l * alpha + tl.sum(p, axis=0)
+    return m_new, l, acc
+
+
+@triton.jit
 def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_ptr,
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                    BR: tl.constexpr, STAGES: tl.constexpr):
+                    BR: tl.constexpr, STAGES: tl.constexpr, SC: tl.constexpr,
+                    PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
+    # SC > 0: the source count as a constant, the source loop unrolled (every source's
+    # pointer and rows can be loaded ahead of the reductions of the earlier ones)
     row64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < d
@@ -304,21 +346,101 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
     m = tl.max(tl.full([BL], float("-inf"), tl.float32), axis=0)
     l = tl.sum(tl.zeros([BL], tl.float32), axis=0)
     acc = tl.zeros([BD], tl.float32)
-    for base in tl.range(0, S, BL, num_stages=STAGES):
-        v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL)
-        kf = v
-        if PROJECTED:
-            kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r)
-        s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
-        s = tl.where(smask, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l = l * alpha + tl.sum(p, axis=0)
-        m = m_new
+    if SC > 0:
+        for base in tl.static_range(0, SC, BL):
+            m, l, acc = _fwd_src_step(base, SC, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
+                                      kref, cols, cmask, rcols, qk, keycol, r, eps, scale,
+                                      m, l, acc, PROJECTED, BL, PA, SA, SK)
+    else:
+        for base in tl.range(0, S, BL, num_stages=STAGES):
+            m, l, acc = _fwd_src_step(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
+                                      kref, cols, cmask, rcols, qk, keycol, r, eps, scale,
+                                      m, l, acc, PROJECTED, BL, PA, SA, SK)
     tl.store(out_ptr + row64 * d + cols, (acc / l).to(out_ptr.dtype.element_ty), mask=cmask)
     tl.store(lse_ptr + row64, m + tl.log(l))
+
+
+@triton.jit
+def _bwd_src_values(base, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab, dv_tab, vref, kref,
+                    da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale, g, lse, delta,
+                    BL: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
+                    SK: tl.constexpr):
+    # projected keys, pass 1: dv = a g, <g, v_i> parked in scratch, exact delta
+    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
+    kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA, SK)
+    s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, True)
+    a = tl.where(smask, tl.exp(s - lse), 0.0)
+    da = tl.sum(g[None, :] * v, axis=1)
+    tl.store(da_ptr + src.to(tl.int64) * T + row64, da, mask=smask)
+    dvp = _tab_ptrs(dv_tab, src, smask, vref)
+    ptrs = dvp[:, None] + row64 * d + cols[None, :]
+    if PA > 1 and SA > 1:  # 16-byte vectors (see _src_tile)
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
+    tl.store(ptrs,
+             (a[:, None] * g[None, :]).to(vref.dtype.element_ty),
+             mask=smask[:, None] & cmask[None, :])
+    return delta + tl.sum(a * da, axis=0)
+
+
+@triton.jit
+def _bwd_src_keys(base, S, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr, rcols, qk, keycol,
+                  r, eps, scale, lse, delta, gq, BL: tl.constexpr, PA: tl.constexpr,
+                  SK: tl.constexpr):
+    # projected keys, pass 2: dk and the query gradient from the keys alone
+    src = base + tl.arange(0, BL)
+    smask = src < S
+    kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA, SK)
+    s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, True)
+    a = tl.where(smask, tl.exp(s - lse), 0.0)
+    da = tl.load(da_ptr + src.to(tl.int64) * T + row64, mask=smask, other=0.0)
+    ds = a * (da - delta)
+    dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
+    dkp = _tab_ptrs(dk_tab, src, smask, kref)
+    ptrs = dkp[:, None] + row64 * r + rcols[None, :]
+    if PA > 1 and SK > 1:  # 16-byte vectors (see _src_tile)
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
+    tl.store(ptrs,
+             dk.to(kref.dtype.element_ty),
+             mask=smask[:, None] & (rcols < r)[None, :])
+    return gq + tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
+
+
+@triton.jit
+def _bwd_src_delta(base, S, row64, v_tab, vs_tab, vref, cols, cmask, qk, keycol, r, eps,
+                   scale, g, lse, delta, BL: tl.constexpr, PA: tl.constexpr,
+                   SA: tl.constexpr):
+    # sliced keys without a saved output: delta = sum_i a_i <g, v_i>
+    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
+    s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, False)
+    a = tl.where(smask, tl.exp(s - lse), 0.0)
+    return delta + tl.sum(a * tl.sum(g[None, :] * v, axis=1), axis=0)
+
+
+@triton.jit
+def _bwd_src_sliced(base, S, row64, d, v_tab, vs_tab, dv_tab, vref, cols, cmask, qk, keycol,
+                    r, eps, scale, g, lse, delta, gq, dex, ck,
+                    HAS_OUT: tl.constexpr, BL: tl.constexpr, PA: tl.constexpr,
+                    SA: tl.constexpr):
+    # sliced keys: dv (value and key parts in one store) and the query gradient
+    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
+    s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, False)
+    a = tl.where(smask, tl.exp(s - lse), 0.0)
+    da = tl.sum(g[None, :] * v, axis=1)
+    ds = a * (da - delta)
+    if HAS_OUT:
+        dex += tl.sum(a * da, axis=0)
+        ck += tl.sum((a * rstd)[:, None] * v, axis=0)
+    dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
+    gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
+    dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
+    dvp = _tab_ptrs(dv_tab, src, smask, vref)
+    ptrs = dvp[:, None] + row64 * d + cols[None, :]
+    if PA > 1 and SA > 1:  # 16-byte vectors (see _src_tile)
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
+    tl.store(ptrs,
+             dv.to(vref.dtype.element_ty),
+             mask=smask[:, None] & cmask[None, :])
+    return gq, dex, ck
 
 
 @triton.jit
@@ -326,8 +448,11 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                     q_ptr, lse_ptr, g_ptr, g_stride, o_ptr, da_ptr, gq_part_ptr,
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BL: tl.constexpr,
-                    BD: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr):
-    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program
+                    BD: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
+                    SC: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
+                    SK: tl.constexpr):
+    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program.
+    # SC > 0: source loops unrolled over SC sources (as in the forward)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -335,74 +460,69 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
     rcols = tl.arange(0, BR)
     qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
     gq = tl.zeros_like(qk)
+    zero = tl.sum(tl.zeros([BL], tl.float32), axis=0)
     for row in range(pid, T, nprog):
         row64 = tl.cast(row, tl.int64)
         g = tl.load(g_ptr + row64 * g_stride + cols, mask=cmask, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + row64)
         if PROJECTED:
-            # values once (dv = a g, exact delta, <g, v_i> parked in fp32 scratch), then keys
-            delta = tl.sum(tl.zeros([BL], tl.float32), axis=0)
-            for base in tl.range(0, S, BL, num_stages=STAGES):
-                v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL)
-                kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r)
-                s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
-                a = tl.where(smask, tl.exp(s - lse), 0.0)
-                da = tl.sum(g[None, :] * v, axis=1)
-                delta += tl.sum(a * da, axis=0)
-                tl.store(da_ptr + src.to(tl.int64) * T + row64, da, mask=smask)
-                dvp = tl.load(dv_tab + src, mask=smask, other=0).to(
-                    tl.pointer_type(vref.dtype.element_ty))
-                tl.store(dvp[:, None] + row64 * d + cols[None, :],
-                         (a[:, None] * g[None, :]).to(vref.dtype.element_ty),
-                         mask=smask[:, None] & cmask[None, :])
+            delta = zero
+            if SC > 0:
+                for base in tl.static_range(0, SC, BL):
+                    delta = _bwd_src_values(base, SC, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
+                                            dv_tab, vref, kref, da_ptr, cols, cmask, rcols, qk,
+                                            keycol, r, eps, scale, g, lse, delta, BL, PA,
+                                            SA, SK)
+            else:
+                for base in tl.range(0, S, BL, num_stages=STAGES):
+                    delta = _bwd_src_values(base, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
+                                            dv_tab, vref, kref, da_ptr, cols, cmask, rcols, qk,
+                                            keycol, r, eps, scale, g, lse, delta, BL, PA,
+                                            SA, SK)
             tl.debug_barrier()
-            for base in tl.range(0, S, BL, num_stages=STAGES):
-                src = base + tl.arange(0, BL)
-                smask = src < S
-                kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r)
-                s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, PROJECTED)
-                a = tl.where(smask, tl.exp(s - lse), 0.0)
-                da = tl.load(da_ptr + src.to(tl.int64) * T + row64, mask=smask, other=0.0)
-                ds = a * (da - delta)
-                dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
-                gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
-                dkp = tl.load(dk_tab + src, mask=smask, other=0).to(
-                    tl.pointer_type(kref.dtype.element_ty))
-                tl.store(dkp[:, None] + row64 * r + rcols[None, :],
-                         dk.to(kref.dtype.element_ty), mask=smask[:, None] & (rcols < r)[None, :])
+            if SC > 0:
+                for base in tl.static_range(0, SC, BL):
+                    gq = _bwd_src_keys(base, SC, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr,
+                                       rcols, qk, keycol, r, eps, scale, lse, delta, gq, BL,
+                                       PA, SK)
+            else:
+                for base in tl.range(0, S, BL, num_stages=STAGES):
+                    gq = _bwd_src_keys(base, S, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr,
+                                       rcols, qk, keycol, r, eps, scale, lse, delta, gq, BL,
+                                       PA, SK)
         else:
             # delta = sum_i a_i <g, v_i> = <g, out> (exact without a saved output)
             if HAS_OUT:
                 o = tl.load(o_ptr + row64 * d + cols, mask=cmask, other=0.0).to(tl.float32)
                 delta = tl.sum(g * o, axis=0)
             else:
-                delta = tl.sum(tl.zeros([BL], tl.float32), axis=0)
-                for base in tl.range(0, S, BL, num_stages=STAGES):
-                    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask,
-                                              BL)
-                    s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, PROJECTED)
-                    a = tl.where(smask, tl.exp(s - lse), 0.0)
-                    delta += tl.sum(a * tl.sum(g[None, :] * v, axis=1), axis=0)
+                delta = zero
+                if SC > 0:
+                    for base in tl.static_range(0, SC, BL):
+                        delta = _bwd_src_delta(base, SC, row64, v_tab, vs_tab, vref, cols, cmask,
+                                               qk, keycol, r, eps, scale, g, lse, delta, BL, PA,
+                                               SA)
+                else:
+                    for base in tl.range(0, S, BL, num_stages=STAGES):
+                        delta = _bwd_src_delta(base, S, row64, v_tab, vs_tab, vref, cols, cmask,
+                                               qk, keycol, r, eps, scale, g, lse, delta, BL, PA,
+                                               SA)
             # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after
             # the loop with the exact delta (dex) and ck = sum_i a_i rstd_i v_i
-            dex = tl.sum(tl.zeros([BL], tl.float32), axis=0)
+            dex = zero
             ck = tl.zeros_like(qk)
-            for base in tl.range(0, S, BL, num_stages=STAGES):
-                v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL)
-                s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, PROJECTED)
-                a = tl.where(smask, tl.exp(s - lse), 0.0)
-                da = tl.sum(g[None, :] * v, axis=1)
-                ds = a * (da - delta)
-                if HAS_OUT:
-                    dex += tl.sum(a * da, axis=0)
-                    ck += tl.sum((a * rstd)[:, None] * v, axis=0)
-                dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
-                gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
-                dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
-                dvp = tl.load(dv_tab + src, mask=smask, other=0).to(
-                    tl.pointer_type(vref.dtype.element_ty))
-                tl.store(dvp[:, None] + row64 * d + cols[None, :],
-                         dv.to(vref.dtype.element_ty), mask=smask[:, None] & cmask[None, :])
+            if SC > 0:
+                for base in tl.static_range(0, SC, BL):
+                    gq, dex, ck = _bwd_src_sliced(base, SC, row64, d, v_tab, vs_tab, dv_tab,
+                                                  vref, cols, cmask, qk, keycol, r, eps, scale,
+                                                  g, lse, delta, gq, dex, ck, HAS_OUT, BL, PA,
+                                                  SA)
+            else:
+                for base in tl.range(0, S, BL, num_stages=STAGES):
+                    gq, dex, ck = _bwd_src_sliced(base, S, row64, d, v_tab, vs_tab, dv_tab,
+                                                  vref, cols, cmask, qk, keycol, r, eps, scale,
+                                                  g, lse, delta, gq, dex, ck, HAS_OUT, BL, PA,
+                                                  SA)
             if HAS_OUT:
                 gq += (scale * (delta - dex)) * ck
     if PROJECTED:
@@ -457,12 +577,39 @@ def _impl(d: int) -> str:
 
 def _src_tiles(d: int, S: int, backward: bool) -> Tuple[int, int, int]:
     """(BL sources per step, num_warps, pipeline stages) of the source-tiled kernels."""
+    # defaults from the H200 sweep (benchmarks/results/kernels_src_2026-12-01.log: S=9,
+    # d=2048 and 4096): forward 2 sources per step, backward 1, 4 warps, no pipelining
     pre = "src_bwd_" if backward else "src_"
-    bl = TUNE.get(pre + "sources", 4)
+    bl = TUNE.get(pre + "sources", 1 if backward else 2)
     bl = max(1, min(triton.next_power_of_2(bl), triton.next_power_of_2(S)))
     bd = triton.next_power_of_2(d)
-    warps = TUNE.get(pre + "warps", max(2, min(16, bl * bd // 1024)))
-    return bl, warps, TUNE.get(pre + "stages", 2)
+    warps = TUNE.get(pre + "warps", max(4, min(16, bl * bd // 2048)))
+    return bl, warps, TUNE.get(pre + "stages", 1)
+
+
+def _alignment(values: Sequence[Tensor], keys: Sequence[Tensor], d: int, r: int,
+               bd: int) -> Dict[str, int]:
+    """Alignment facts for the source-tiled kernels' row pointers: PA = 16 when every
+    table pointer (sources, keys and their gradients) is 16-byte aligned, else 1; SA / SK =
+    the elements in 16 bytes when every value / key row stride and d / r (the gradients'
+    strides) are multiples of it, else 1. With both the compiler moves rows in 16-byte
+    vectors instead of element by element."""
+    ts = list(values) + list(keys)
+    pa = 16 if bd >= 16 and all(t.data_ptr() % 16 == 0 for t in ts) else 1
+
+    def common(group, width):
+        if not group:
+            return 1
+        vec = 16 // group[0].element_size()
+        ok = width % vec == 0 and all(t.stride(0) % vec == 0 for t in group)
+        return vec if ok else 1
+    return dict(PA=pa, SA=common(list(values), d), SK=common(list(keys), r))
+
+
+def _unrolled(S: int) -> int:
+    """SC of the source-tiled kernels: S itself (source loops unrolled, one compiled variant
+    per S) up to ``TUNE["src_unroll_max"]`` (default 32), else 0 (a runtime loop)."""
+    return S if S <= TUNE.get("src_unroll_max", 32) else 0
 
 
 def _src_programs(T: int, dev: torch.device) -> int:
@@ -530,7 +677,8 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
         _fwd_src_kernel[(T,)](
             v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
             T, len(vs), d, r, eps, scale,
-            PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, num_warps=warps)
+            PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, SC=_unrolled(len(vs)),
+            **_alignment(vs, ks, d, r, bd), num_warps=warps)
         return out, lse
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
@@ -575,6 +723,7 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             query, lse, g, g.stride(0), out if has_out else g, da, parts,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
+            SC=_unrolled(len(vs)), **_alignment(vs + dvs, ks + dks, d, r, bd),
             num_warps=warps)
         return parts.sum(0), dvs, dks
     _bwd_kernel[(nprog,)](
