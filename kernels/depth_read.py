@@ -3,11 +3,13 @@
     s_i = scale * <q, RMS(k_i)>,   a = softmax_i(s) (fp32),   out = sum_i a_i v_i
 
 Sources are never stacked: the host passes a pointer table (int64 ``data_ptr`` of every
-source, cast back to a typed pointer inside the kernel) and a row-stride table. One
-program owns ``BT`` tokens times the whole padded width ``BD``; the forward streams the
-sources once with an online softmax, the backward streams them once more (twice when
-``save_output=False``). Only the fp32 log-sum-exp per token is written besides the
-output. Backward derivation: ``kernels/README.md``.
+source, cast back to a typed pointer inside the kernel) and a row-stride table. Two kernel
+families: token-tiled (one program owns ``BT`` tokens times the whole padded width ``BD``;
+narrow rows and projected keys) and source-tiled (one token row per program, ``BL``
+sources per step, 16-byte vector rows; sliced keys at d >= ``SRC_MIN_WIDTH``), chosen by
+``_impl``. The forward streams the sources once with an online softmax, the backward
+streams them once more (twice when ``save_output=False``). Only the fp32 log-sum-exp per
+token is written besides the output. Backward derivation: ``kernels/README.md``.
 
 Envelope (outside it a ``ValueError``): 1 <= d <= 8192, 1 <= S <= 256, sliced
 1 <= r <= d, projected 1 <= r <= 8192, dtypes bf16 / fp16 / fp32, CUDA tensors (CPU
@@ -251,10 +253,12 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
 
 
-# --- Source-tiled kernels (TUNE["impl"] = 1, the default for d >= SRC_MIN_WIDTH): one
-# token row per program and BL sources per step, so BL row loads are in flight per
-# program instead of one, and the loop over source tiles is software-pipelined
-# (``tl.range(num_stages=STAGES)``). The sources' pointers come from the same tables.
+# --- Source-tiled kernels (TUNE["impl"] = 1; the default for sliced keys at d >=
+# SRC_MIN_WIDTH): one token row per program and BL sources per step, so BL row loads are in
+# flight per program instead of one; the source loop is a runtime loop (``tl.range`` with
+# STAGES pipeline stages) or, with SC > 0, unrolled. Rows move in 16-byte vectors where the
+# host has checked the alignment (PA, SA, SK). The sources' pointers come from the same
+# tables as in the token-tiled kernels.
 
 
 @triton.jit
@@ -562,16 +566,22 @@ def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]
     return bt, bd, br, warps
 
 
-# Widths from which the source-tiled kernels run by default (narrower rows keep the
-# token-tiled kernels: one row per program would leave most lanes idle).
+# Widths from which the source-tiled kernels run by default for sliced keys (narrower rows
+# keep the token-tiled kernels: one row per program would leave most lanes idle).
 SRC_MIN_WIDTH = 512
 
 
-def _impl(d: int) -> str:
-    """"src" (source-tiled, one token row per program) or "row" (token-tiled)."""
+def _impl(d: int, projected: bool) -> str:
+    """"src" (source-tiled, one token row per program) or "row" (token-tiled).
+
+    Default: "src" for sliced keys at d >= SRC_MIN_WIDTH. Projected keys stay on "row": on
+    an H200 (d=2048, r=512, S=9, benchmarks/results/depth_read_2026-12-01.csv) the
+    source-tiled projected forward ran 1.65 ms (11.7% of copy bandwidth) against 0.23 ms
+    sliced; its key tile forces a [BL, BD] layout conversion through shared memory
+    (16 KiB, 24 barriers per program in the PTX)."""
     impl = TUNE.get("impl")
     if impl is None:
-        return "src" if d >= SRC_MIN_WIDTH else "row"
+        return "src" if d >= SRC_MIN_WIDTH and not projected else "row"
     return {0: "row", 1: "src"}[int(impl)]
 
 
@@ -673,7 +683,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
     v_tab, vs_tab = _table(vs)
     k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
     kref = ks[0] if projected else vs[0]
-    if _impl(d) == "src":
+    if _impl(d, projected) == "src":
         bl, warps, stages = _src_tiles(d, len(vs), backward=False)
         _fwd_src_kernel[(T,)](
             v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
@@ -714,7 +724,7 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
     # projected keys need no output: delta is exact after one pass over the values
     da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
     has_out = out is not None and not projected
-    if _impl(d) == "src":
+    if _impl(d, projected) == "src":
         bl, warps, stages = _src_tiles(d, len(vs), backward=True)
         nprog = _src_programs(T, dev)
         parts = _alloc((nprog, r), torch.float32, dev)

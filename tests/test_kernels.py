@@ -253,3 +253,31 @@ def test_source_tiles_and_stages(projected, impl, monkeypatch):
         monkeypatch.setitem(kdr.TUNE, "src_unroll_max", unroll)  # 0: runtime source loop
         for dtype in (torch.float32, torch.bfloat16):
             check(T, d, r, S + 5, dtype, projected)
+
+
+def test_kernel_family_defaults(monkeypatch):
+    """Sliced keys at d >= SRC_MIN_WIDTH take the source-tiled kernels, narrower rows and
+    projected keys the token-tiled ones; TUNE["impl"] overrides either way."""
+    monkeypatch.delitem(kdr.TUNE, "impl", raising=False)
+    assert kdr._impl(kdr.SRC_MIN_WIDTH, projected=False) == "src"
+    assert kdr._impl(kdr.SRC_MIN_WIDTH - 1, projected=False) == "row"
+    assert kdr._impl(4096, projected=True) == "row"
+    monkeypatch.setitem(kdr.TUNE, "impl", 1)
+    assert kdr._impl(64, projected=True) == "src"
+    monkeypatch.setitem(kdr.TUNE, "impl", 0)
+    assert kdr._impl(4096, projected=False) == "row"
+
+
+def test_alignment_facts():
+    """16-byte vectors are declared only when every pointer is 16-byte aligned and every row
+    stride (and d / r) is a multiple of 16 bytes' worth of elements."""
+    base = torch.zeros(4, 80, dtype=torch.bfloat16)
+    al = kdr._alignment([base, base.clone()], [], 80, 80, 128)
+    assert al == {"PA": 16, "SA": 8, "SK": 1}
+    odd_stride = torch.zeros(4, 90, dtype=torch.bfloat16)[:, :80]  # row stride 90
+    assert kdr._alignment([base, odd_stride], [], 80, 80, 128)["SA"] == 1
+    shifted = torch.zeros(4 * 80 + 1, dtype=torch.bfloat16)[1:].view(4, 80)  # 2-byte offset
+    assert kdr._alignment([base, shifted], [], 80, 80, 128)["PA"] == 1
+    assert kdr._alignment([base], [], 84, 84, 128)["SA"] == 1  # d not a multiple of 8
+    keys = [torch.zeros(4, 24, dtype=torch.float32)]
+    assert kdr._alignment([base], keys, 80, 24, 128)["SK"] == 4
