@@ -440,7 +440,13 @@ def main():
                     help="leave out the torch.compile peer (it compiles for every shape)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU run of the harness logic under TRITON_INTERPRET=1 (no real timings)")
+    ap.add_argument("--summarize", metavar="CSV",
+                    help="print the summary table of an earlier run's CSV and exit")
     args = ap.parse_args()
+    if args.summarize:
+        with open(args.summarize, newline="") as f:
+            summarize([r for r in csv.DictReader(f) if r.get("pct_copy")])
+        return
     global DEVICE
     if args.smoke:
         DEVICE = "cpu"

@@ -572,16 +572,11 @@ SRC_MIN_WIDTH = 512
 
 
 def _impl(d: int, projected: bool) -> str:
-    """"src" (source-tiled, one token row per program) or "row" (token-tiled).
-
-    Default: "src" for sliced keys at d >= SRC_MIN_WIDTH. Projected keys stay on "row": on
-    an H200 (d=2048, r=512, S=9, benchmarks/results/depth_read_2026-12-01.csv) the
-    source-tiled projected forward ran 1.65 ms (11.7% of copy bandwidth) against 0.23 ms
-    sliced; its key tile forces a [BL, BD] layout conversion through shared memory
-    (16 KiB, 24 barriers per program in the PTX)."""
+    """"src" (source-tiled, one token row per program; the default at d >= SRC_MIN_WIDTH)
+    or "row" (token-tiled). ``projected`` is part of the key for later tuning."""
     impl = TUNE.get("impl")
     if impl is None:
-        return "src" if d >= SRC_MIN_WIDTH and not projected else "row"
+        return "src" if d >= SRC_MIN_WIDTH else "row"
     return {0: "row", 1: "src"}[int(impl)]
 
 
@@ -600,12 +595,20 @@ def _src_tiles(d: int, S: int, backward: bool) -> Tuple[int, int, int]:
 def _alignment(values: Sequence[Tensor], keys: Sequence[Tensor], d: int, r: int,
                bd: int) -> Dict[str, int]:
     """Alignment facts for the source-tiled kernels' row pointers: PA = 16 when every
-    table pointer (sources, keys and their gradients) is 16-byte aligned, else 1; SA / SK =
+    table pointer (sources and their gradients) is 16-byte aligned and keys are sliced,
+    else 1; SA / SK =
     the elements in 16 bytes when every value / key row stride and d / r (the gradients'
     strides) are multiples of it, else 1. With both the compiler moves rows in 16-byte
     vectors instead of element by element."""
     ts = list(values) + list(keys)
     pa = 16 if bd >= 16 and all(t.data_ptr() % 16 == 0 for t in ts) else 1
+    if keys:
+        # Projected keys run without the hints: on an H200 (d=2048, r=512, S=9) the hinted
+        # projected forward took 1.65 ms (11.7% of copy bandwidth; its [BL, BR] key tile then
+        # forces the value tile through shared memory, 16 KiB and 24 barriers per program in
+        # the PTX) against 59.4% without them (benchmarks/results/depth_read_2026-12-01.csv
+        # and depth_read_src_unaligned_2026-12-01.csv).
+        pa = 1
 
     def common(group, width):
         if not group:
