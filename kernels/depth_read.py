@@ -5,11 +5,11 @@
 Sources are never stacked: the host passes a pointer table (int64 ``data_ptr`` of every
 source, cast back to a typed pointer inside the kernel) and a row-stride table. Two kernel
 families: token-tiled (one program owns ``BT`` tokens times the whole padded width ``BD``;
-narrow rows and projected keys) and source-tiled (one token row per program, ``BL``
-sources per step, 16-byte vector rows; sliced keys at d >= ``SRC_MIN_WIDTH``), chosen by
-``_impl``. The forward streams the sources once with an online softmax, the backward
-streams them once more (twice when ``save_output=False``). Only the fp32 log-sum-exp per
-token is written besides the output. Backward derivation: ``kernels/README.md``.
+d < ``SRC_MIN_WIDTH``) and source-tiled (one token row per program, ``BL`` sources per
+step, 16-byte vector rows for sliced keys; d >= ``SRC_MIN_WIDTH``), chosen by ``_impl``.
+The forward streams the sources once with an online softmax, the backward streams them
+once more (twice when ``save_output=False``). Only the fp32 log-sum-exp per token is
+written besides the output. Backward derivation: ``kernels/README.md``.
 
 Envelope (outside it a ``ValueError``): 1 <= d <= 8192, 1 <= S <= 256, sliced
 1 <= r <= d, projected 1 <= r <= 8192, dtypes bf16 / fp16 / fp32, CUDA tensors (CPU
@@ -253,11 +253,11 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
 
 
-# --- Source-tiled kernels (TUNE["impl"] = 1; the default for sliced keys at d >=
-# SRC_MIN_WIDTH): one token row per program and BL sources per step, so BL row loads are in
-# flight per program instead of one; the source loop is a runtime loop (``tl.range`` with
-# STAGES pipeline stages) or, with SC > 0, unrolled. Rows move in 16-byte vectors where the
-# host has checked the alignment (PA, SA, SK). The sources' pointers come from the same
+# --- Source-tiled kernels (TUNE["impl"] = 1; the default at d >= SRC_MIN_WIDTH): one token
+# row per program and BL sources per step, so BL row loads are in flight per program
+# instead of one; the source loop is a runtime loop (``tl.range`` with STAGES pipeline
+# stages) or, with SC > 0, unrolled. Rows move in 16-byte vectors where the host has checked
+# the alignment (PA, SA, SK). The sources' pointers come from the same
 # tables as in the token-tiled kernels.
 
 
@@ -566,8 +566,8 @@ def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]
     return bt, bd, br, warps
 
 
-# Widths from which the source-tiled kernels run by default for sliced keys (narrower rows
-# keep the token-tiled kernels: one row per program would leave most lanes idle).
+# Widths from which the source-tiled kernels run by default (narrower rows keep the
+# token-tiled kernels: one row per program would leave most lanes idle).
 SRC_MIN_WIDTH = 512
 
 
