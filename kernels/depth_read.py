@@ -289,6 +289,17 @@ def _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL: tl.constexpr
 
 
 @triton.jit
+def _store_rows(tab, src, smask, ref, row64, width, cols, cmask, x, PA: tl.constexpr,
+                SA: tl.constexpr):
+    # x [BL, BW] into row ``row64`` of the table's tensors (contiguous, row stride width)
+    p = _tab_ptrs(tab, src, smask, ref)
+    ptrs = p[:, None] + row64 * width + cols[None, :]
+    if PA > 1 and SA > 1:  # 16-byte vectors (see _src_tile)
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
+    tl.store(ptrs, x.to(ref.dtype.element_ty), mask=smask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA: tl.constexpr,
               SK: tl.constexpr):
     # kf: [BL, BR] fp32 projected keys of the tile's sources
@@ -376,13 +387,8 @@ def _bwd_src_values(base, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab, dv_tab, 
     a = tl.where(smask, tl.exp(s - lse), 0.0)
     da = tl.sum(g[None, :] * v, axis=1)
     tl.store(da_ptr + src.to(tl.int64) * T + row64, da, mask=smask)
-    dvp = _tab_ptrs(dv_tab, src, smask, vref)
-    ptrs = dvp[:, None] + row64 * d + cols[None, :]
-    if PA > 1 and SA > 1:  # 16-byte vectors (see _src_tile)
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
-    tl.store(ptrs,
-             (a[:, None] * g[None, :]).to(vref.dtype.element_ty),
-             mask=smask[:, None] & cmask[None, :])
+    _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, a[:, None] * g[None, :], PA,
+                SA)
     return delta + tl.sum(a * da, axis=0)
 
 
@@ -399,13 +405,7 @@ def _bwd_src_keys(base, S, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr, rcols,
     da = tl.load(da_ptr + src.to(tl.int64) * T + row64, mask=smask, other=0.0)
     ds = a * (da - delta)
     dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
-    dkp = _tab_ptrs(dk_tab, src, smask, kref)
-    ptrs = dkp[:, None] + row64 * r + rcols[None, :]
-    if PA > 1 and SK > 1:  # 16-byte vectors (see _src_tile)
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
-    tl.store(ptrs,
-             dk.to(kref.dtype.element_ty),
-             mask=smask[:, None] & (rcols < r)[None, :])
+    _store_rows(dk_tab, src, smask, kref, row64, r, rcols, rcols < r, dk, PA, SK)
     return gq + tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
 
 
@@ -437,13 +437,7 @@ def _bwd_src_sliced(base, S, row64, d, v_tab, vs_tab, dv_tab, vref, cols, cmask,
     dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
     gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
     dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
-    dvp = _tab_ptrs(dv_tab, src, smask, vref)
-    ptrs = dvp[:, None] + row64 * d + cols[None, :]
-    if PA > 1 and SA > 1:  # 16-byte vectors (see _src_tile)
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
-    tl.store(ptrs,
-             dv.to(vref.dtype.element_ty),
-             mask=smask[:, None] & cmask[None, :])
+    _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, dv, PA, SA)
     return gq, dex, ck
 
 
