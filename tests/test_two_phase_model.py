@@ -89,6 +89,28 @@ def test_two_phase_triton_kernels_match_per_site_reference(mp, key):
             assert ef[n] <= 5 * eb[n] + 2e-5, (step, n, ef[n], eb[n])
 
 
+@pytest.mark.parametrize("impl", [0, 1], ids=["token_tiled", "source_tiled"])
+@pytest.mark.parametrize("key", ["sliced", "projected"])
+def test_per_site_triton_kernels_match_reference_over_training_steps(mp, key, impl,
+                                                                   monkeypatch):
+    """Per-site reads through each fused kernel family (interpreter on CPU, fp32) in the
+    model over three SGD steps, against the float64 reference path, with the criteria of the
+    two-phase test above."""
+    pytest.importorskip("triton")
+    import lrattn_kernels.depth_read as kdr
+
+    monkeypatch.setitem(kdr.TUNE, "impl", impl)
+    f32 = dict(dtype=torch.float32, lr=0.01)
+    truth = _train("per_site", "torch", "lr", key, dtype=torch.float64, lr=0.01)
+    fused = _train("per_site", "triton", "lr", key, **f32)
+    base = _train("per_site", "torch", "lr", key, **f32)
+    for x, y in zip(fused[0], truth[0]):
+        assert abs(x - y) <= 1e-6 * abs(y), (fused[0], truth[0])
+    for step, (ef, eb) in enumerate(zip(_errors(fused, truth), _errors(base, truth))):
+        for n in ef:
+            assert ef[n] <= 5 * eb[n] + 2e-5, (step, n, ef[n], eb[n])
+
+
 def test_auto_schedule_resolution_and_config_errors(mp):
     from megatron_lrattn.config import ConfigError
     from megatron_lrattn.depth_state import uses_two_phase
