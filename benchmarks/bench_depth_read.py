@@ -259,6 +259,7 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
     which settings produced its rows). Returns {d: settings}."""
     S = 9
     best = {}
+    base = dict(kdr.TUNE)  # LRATTN_KERNELS_TUNE, restored at the end
     for d in widths:
         r = d // 4
         vals, query, _, grad = make(T, d, r, S, False, seed=3)
@@ -272,6 +273,11 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
                     kdr.TUNE.update(impl=1, src_sources=bl, src_warps=warps, src_stages=1,
                                     src_unroll_max=unroll)
                     with torch.no_grad():
+                        err = rel_rms(kdr.depth_read_triton(vals, query), ref[0])
+                        if not err <= TOL_BF16:
+                            print(f"src sweep fwd d={d} unroll={unroll > 0} BL={bl} "
+                                  f"warps={warps}: RED CHECK {err:.1e}", flush=True)
+                            continue
                         tf = bench(lambda: kdr.depth_read_triton(vals, query), rep=100)
                     pct = 100 * fwd_bytes / tf / 1e9 / copy_tbps
                     fwd_res.append((pct, dict(src_sources=bl, src_warps=warps, src_stages=1,
@@ -303,6 +309,7 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         print(f"src sweep best d={d}: {best[d]}", flush=True)
         del vals, grad, ref
     kdr.TUNE.clear()
+    kdr.TUNE.update(base)
     return best
 
 
@@ -476,11 +483,13 @@ def main():
         w = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
             w.writeheader()
+        base = dict(kdr.TUNE)
         for d, S in pairs:
-            kdr.TUNE.clear()
-            kdr.TUNE.update(tuned.get(d, {}))
-            if tuned.get(d):
-                print(f"d={d}: source-tiled settings from the sweep {tuned[d]}", flush=True)
+            if tuned:
+                kdr.TUNE.clear()
+                kdr.TUNE.update(base, **tuned.get(d, {}))
+                print(f"d={d}: source-tiled settings from the sweep {tuned.get(d, 'none')}",
+                      flush=True)
             for keys_kind, r in (("sliced", d // 4), ("sliced", d), ("projected", d // 4)):
                 label = "attnres" if r == d else keys_kind
                 print(f"T={T} d={d} S={S} r={r} {label}", flush=True)
