@@ -195,8 +195,9 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
                 num_blocks=config.num_blocks, bf16=bf16)
     logger.info("run: %s", json.dumps(info))
     if config.uses_depth_attention and getattr(config, "depth_schedule", "auto") == "two_phase":
-        logger.warning("--depth-schedule two_phase is experimental: on an H200 it trained the "
-                       "tiny preset to a worse loss than per_site (docs/kernels.md)")
+        logger.info("--depth-schedule two_phase: on an H200 it trains like per_site since the "
+                    "fix of 2026-12-01 but is not faster on the block benchmark "
+                    "(docs/kernels.md)")
     logger.info("args: %s", json.dumps(vars(args), default=str))
 
     fwd_bwd = get_forward_backward_func()
