@@ -590,10 +590,9 @@ def _alignment(values: Sequence[Tensor], keys: Sequence[Tensor], d: int, r: int,
                bd: int) -> Dict[str, int]:
     """Alignment facts for the source-tiled kernels' row pointers: PA = 16 when every
     table pointer (sources and their gradients) is 16-byte aligned and keys are sliced,
-    else 1; SA / SK =
-    the elements in 16 bytes when every value / key row stride and d / r (the gradients'
-    strides) are multiples of it, else 1. With both the compiler moves rows in 16-byte
-    vectors instead of element by element."""
+    else 1; SA / SK = the elements in 16 bytes when every value / key row stride and d / r
+    (the gradients' strides) are multiples of it, else 1. With both the compiler moves rows
+    in 16-byte vectors instead of element by element."""
     ts = list(values) + list(keys)
     pa = 16 if bd >= 16 and all(t.data_ptr() % 16 == 0 for t in ts) else 1
     if keys:
