@@ -565,9 +565,9 @@ def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]
 SRC_MIN_WIDTH = 512
 
 
-def _impl(d: int, projected: bool) -> str:
+def _impl(d: int) -> str:
     """"src" (source-tiled, one token row per program; the default at d >= SRC_MIN_WIDTH)
-    or "row" (token-tiled). ``projected`` is part of the key for later tuning."""
+    or "row" (token-tiled)."""
     impl = TUNE.get("impl")
     if impl is None:
         return "src" if d >= SRC_MIN_WIDTH else "row"
@@ -679,7 +679,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
     v_tab, vs_tab = _table(vs)
     k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
     kref = ks[0] if projected else vs[0]
-    if _impl(d, projected) == "src":
+    if _impl(d) == "src":
         bl, warps, stages = _src_tiles(d, len(vs), backward=False)
         _fwd_src_kernel[(T,)](
             v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
@@ -720,7 +720,7 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
     # projected keys need no output: delta is exact after one pass over the values
     da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
     has_out = out is not None and not projected
-    if _impl(d, projected) == "src":
+    if _impl(d) == "src":
         bl, warps, stages = _src_tiles(d, len(vs), backward=True)
         nprog = _src_programs(T, dev)
         parts = _alloc((nprog, r), torch.float32, dev)

@@ -65,8 +65,8 @@ class LRAttnResConfig(TransformerConfig):
     all of its read sites on this pipeline chunk and caches (out, lse); each site then
     merges the running partial sum with an online-softmax step, see
     ``megatron_lrattn.ops.depth_read_multi`` / ``depth_merge``) or ``auto`` (per_site for
-    now: the two-phase path is not faster on an H200, see docs/kernels.md). Both are meant to give
-    the same result up to rounding."""
+    now: the two-phase path is not faster on an H200, see docs/kernels.md). Both are meant
+    to give the same result up to rounding."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -259,13 +259,13 @@ def test_kernel_family_defaults(monkeypatch):
     """d >= SRC_MIN_WIDTH takes the source-tiled kernels, narrower rows the token-tiled
     ones; TUNE["impl"] overrides either way."""
     monkeypatch.delitem(kdr.TUNE, "impl", raising=False)
-    assert kdr._impl(kdr.SRC_MIN_WIDTH, projected=False) == "src"
-    assert kdr._impl(4096, projected=True) == "src"
-    assert kdr._impl(kdr.SRC_MIN_WIDTH - 1, projected=False) == "row"
+    assert kdr._impl(kdr.SRC_MIN_WIDTH) == "src"
+    assert kdr._impl(4096) == "src"
+    assert kdr._impl(kdr.SRC_MIN_WIDTH - 1) == "row"
     monkeypatch.setitem(kdr.TUNE, "impl", 1)
-    assert kdr._impl(64, projected=True) == "src"
+    assert kdr._impl(64) == "src"
     monkeypatch.setitem(kdr.TUNE, "impl", 0)
-    assert kdr._impl(4096, projected=False) == "row"
+    assert kdr._impl(4096) == "row"
 
 
 def test_alignment_facts():

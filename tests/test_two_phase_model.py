@@ -71,44 +71,40 @@ def _errors(run, ref):
              for n in r} for g, r in zip(run[1], ref[1])]
 
 
-@pytest.mark.parametrize("key", ["sliced", "projected"])
-def test_two_phase_triton_kernels_match_per_site_reference(mp, key):
-    """The fused phase-1/phase-2 kernels (interpreter on CPU, fp32) against the float64
+def _check_fused_fp32(schedule: str, key: str):
+    """``schedule`` through the fused kernels (interpreter on CPU, fp32) against the float64
     per-site reference: losses to 1e-6, and every gradient at every step within 5x (+2e-5)
-    of the error the fp32 per-site reference path itself has (training steps amplify
-    fp32 rounding of small gradients in both paths alike)."""
-    pytest.importorskip("triton")
+    of the error the fp32 per-site reference path itself has (training steps amplify fp32
+    rounding of small gradients in both paths alike)."""
     f32 = dict(dtype=torch.float32, lr=0.01)
     truth = _train("per_site", "torch", "lr", key, dtype=torch.float64, lr=0.01)
-    fused = _train("two_phase", "triton", "lr", key, **f32)
+    fused = _train(schedule, "triton", "lr", key, **f32)
     base = _train("per_site", "torch", "lr", key, **f32)
     for x, y in zip(fused[0], truth[0]):
         assert abs(x - y) <= 1e-6 * abs(y), (fused[0], truth[0])
     for step, (ef, eb) in enumerate(zip(_errors(fused, truth), _errors(base, truth))):
         for n in ef:
             assert ef[n] <= 5 * eb[n] + 2e-5, (step, n, ef[n], eb[n])
+
+
+@pytest.mark.parametrize("key", ["sliced", "projected"])
+def test_two_phase_triton_kernels_match_per_site_reference(mp, key):
+    """The fused phase-1/phase-2 kernels against the float64 per-site reference."""
+    pytest.importorskip("triton")
+    _check_fused_fp32("two_phase", key)
 
 
 @pytest.mark.parametrize("impl", [0, 1], ids=["token_tiled", "source_tiled"])
 @pytest.mark.parametrize("key", ["sliced", "projected"])
 def test_per_site_triton_kernels_match_reference_over_training_steps(mp, key, impl,
                                                                    monkeypatch):
-    """Per-site reads through each fused kernel family (interpreter on CPU, fp32) in the
-    model over three SGD steps, against the float64 reference path, with the criteria of the
-    two-phase test above."""
+    """Per-site reads through each fused kernel family in the model over three SGD steps,
+    against the float64 reference path."""
     pytest.importorskip("triton")
     import lrattn_kernels.depth_read as kdr
 
     monkeypatch.setitem(kdr.TUNE, "impl", impl)
-    f32 = dict(dtype=torch.float32, lr=0.01)
-    truth = _train("per_site", "torch", "lr", key, dtype=torch.float64, lr=0.01)
-    fused = _train("per_site", "triton", "lr", key, **f32)
-    base = _train("per_site", "torch", "lr", key, **f32)
-    for x, y in zip(fused[0], truth[0]):
-        assert abs(x - y) <= 1e-6 * abs(y), (fused[0], truth[0])
-    for step, (ef, eb) in enumerate(zip(_errors(fused, truth), _errors(base, truth))):
-        for n in ef:
-            assert ef[n] <= 5 * eb[n] + 2e-5, (step, n, ef[n], eb[n])
+    _check_fused_fp32("per_site", key)
 
 
 def test_auto_schedule_resolution_and_config_errors(mp):

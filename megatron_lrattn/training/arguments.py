@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth-backend", choices=DEPTH_BACKENDS, default="auto")
     g.add_argument("--depth-schedule", choices=DEPTH_SCHEDULES, default="auto",
                    help="per_site reads, two_phase block reads (phase 1 once per block + "
-                        "online-softmax merge per site; opt-in, not faster yet), or auto (per_site)")
+                        "online-softmax merge per site; opt-in, not faster yet), or auto "
+                        "(per_site)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=positive_int)
