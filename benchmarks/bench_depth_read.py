@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import os
 import subprocess
 import sys
@@ -253,10 +254,11 @@ def sweep(T, copy_tbps):
 
 
 def src_sweep(T, copy_tbps, widths=(2048, 4096)):
-    """Sweep the source-tiled kernels (source loop unrolled or not, sources per step, warps;
-    backward programs per SM) at S=9, sliced r=d/4, then keep the fastest forward and backward
-    settings per width in ``kdr.TUNE`` for the table that follows (printed, so the run says
-    which settings produced its rows). Returns {d: settings}."""
+    """Sweep the source-tiled kernels at S=9, sliced r=d/4: forward (hand pipelining on or
+    off, sources per step, warps), then backward (pipelining, sources per step, programs per
+    SM) in both backward modes (saved output / recompute); keep the fastest forward and
+    saved-output backward settings per width in ``kdr.TUNE`` for the table that follows
+    (printed, so the run says which settings produced its rows). Returns {d: settings}."""
     S = 9
     best = {}
     base = dict(kdr.TUNE)  # LRATTN_KERNELS_TUNE, restored at the end
@@ -266,45 +268,44 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
         ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
         fwd_res, bwd_res = [], []
-        for unroll in (32, 0):
+        for pf in (1, 0):
             for bl in (1, 2, 4):
                 for warps in (4, 8):
+                    cfg = dict(src_sources=bl, src_warps=warps, src_stages=1, src_prefetch=pf)
                     kdr.TUNE.clear()
-                    kdr.TUNE.update(impl=1, src_sources=bl, src_warps=warps, src_stages=1,
-                                    src_unroll_max=unroll)
+                    kdr.TUNE.update(base, impl=1, **cfg)
                     with torch.no_grad():
                         err = rel_rms(kdr.depth_read_triton(vals, query), ref[0])
                         if not err <= TOL_BF16:
-                            print(f"src sweep fwd d={d} unroll={unroll > 0} BL={bl} "
-                                  f"warps={warps}: RED CHECK {err:.1e}", flush=True)
+                            print(f"src sweep fwd d={d} {cfg}: RED CHECK {err:.1e}", flush=True)
                             continue
                         tf = bench(lambda: kdr.depth_read_triton(vals, query), rep=100)
                     pct = 100 * fwd_bytes / tf / 1e9 / copy_tbps
-                    fwd_res.append((pct, dict(src_sources=bl, src_warps=warps, src_stages=1,
-                                              src_unroll_max=unroll)))
-                    print(f"src sweep fwd d={d} unroll={unroll > 0} BL={bl} warps={warps}: "
+                    fwd_res.append((pct, cfg))
+                    print(f"src sweep fwd d={d} prefetch={pf} BL={bl} warps={warps}: "
                           f"{tf:.3f} ms {pct:.1f}%", flush=True)
         fbest = max(fwd_res, key=lambda x: x[0])[1]
-        for bl in (1, 2):
-            for warps in (4, 8):
-                for ctas in (8, 16):
-                    kdr.TUNE.clear()
-                    kdr.TUNE.update(fbest)
-                    kdr.TUNE.update(impl=1, src_bwd_sources=bl, src_bwd_warps=warps,
-                                    src_bwd_stages=1, src_ctas_per_sm=ctas)
-                    fn = kdr.depth_read_triton
-                    err = check(fn, vals, query, None, grad, ref)
-                    if not err <= TOL_BF16:
-                        print(f"src sweep bwd d={d} BL={bl} warps={warps} ctas/sm={ctas}: "
-                              f"RED CHECK {err:.1e}", flush=True)
-                        continue
-                    tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
-                    pct = 100 * fb_bytes / tb / 1e9 / copy_tbps
-                    bwd_res.append((pct, dict(src_bwd_sources=bl, src_bwd_warps=warps,
-                                              src_bwd_stages=1, src_ctas_per_sm=ctas)))
-                    print(f"src sweep fwd+bwd d={d} unroll={fbest['src_unroll_max'] > 0} "
-                          f"BL={bl} warps={warps} ctas/sm={ctas}: {tb:.3f} ms {pct:.1f}%",
-                          flush=True)
+        for save in (True, False):
+            fn = functools.partial(kdr.depth_read_triton, save_output=save)
+            for pf in (1, 0):
+                for bl in (1, 2):
+                    for ctas in (4, 8):
+                        cfg = dict(src_bwd_sources=bl, src_bwd_warps=4, src_bwd_stages=1,
+                                   src_bwd_prefetch=pf, src_ctas_per_sm=ctas)
+                        kdr.TUNE.clear()
+                        kdr.TUNE.update(base, impl=1, **fbest, **cfg)
+                        err = check(fn, vals, query, None, grad, ref)
+                        name = f"save_output={save} prefetch={pf} BL={bl} ctas/sm={ctas}"
+                        if not err <= TOL_BF16:
+                            print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}",
+                                  flush=True)
+                            continue
+                        tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
+                        pct = 100 * fb_bytes / tb / 1e9 / copy_tbps
+                        if save:
+                            bwd_res.append((pct, cfg))
+                        print(f"src sweep fwd+bwd d={d} {name}: {tb:.3f} ms {pct:.1f}%",
+                              flush=True)
         best[d] = dict(fbest, **max(bwd_res, key=lambda x: x[0])[1])
         print(f"src sweep best d={d}: {best[d]}", flush=True)
         del vals, grad, ref

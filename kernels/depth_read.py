@@ -255,10 +255,12 @@ def _bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
 
 # --- Source-tiled kernels (TUNE["impl"] = 1; the default at d >= SRC_MIN_WIDTH): one token
 # row per program and BL sources per step, so BL row loads are in flight per program
-# instead of one; the source loop is a runtime loop (``tl.range`` with STAGES pipeline
-# stages) or, with SC > 0, unrolled. Rows move in 16-byte vectors where the host has checked
-# the alignment (PA, SA, SK). The sources' pointers come from the same
-# tables as in the token-tiled kernels.
+# instead of one. With PF (the default) every source loop is software-pipelined by hand:
+# the rows of step i + 1 are loaded while step i reduces, and the table entries of step
+# i + 2 while those rows are in flight, so no step waits on a pointer or a row that could
+# have been asked for earlier. (Triton's own pipeliner, ``STAGES`` > 1, cannot do this:
+# it waits for every outstanding copy before it may use a pointer read from the table.)
+# Rows move in 16-byte vectors where the host has checked the alignment (PA, SA, SK).
 
 
 @triton.jit
@@ -269,23 +271,55 @@ def _tab_ptrs(tab, src, smask, ref):
 
 
 @triton.jit
-def _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL: tl.constexpr,
-              PA: tl.constexpr, SA: tl.constexpr):
-    # v: [BL, BD] fp32 rows of sources base..base+BL-1 (masked past S); smask [BL]
+def _row_ptrs(src, smask, row64, tab, st_tab, ref):
+    # [BL] pointers to row ``row64`` of the table's tensors src (strides from st_tab)
+    st = tl.load(st_tab + src, mask=smask, other=0)
+    return _tab_ptrs(tab, src, smask, ref) + row64 * st
+
+
+@triton.jit
+def _src_ptrs(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL: tl.constexpr,
+              VALS: tl.constexpr, KEYS: tl.constexpr):
+    # row pointers of sources base..base+BL-1 (values and/or keys), their indices and mask
     src = base + tl.arange(0, BL)
     smask = src < S
-    vp = _tab_ptrs(v_tab, src, smask, vref)
-    vst = tl.load(vs_tab + src, mask=smask, other=0)
-    ptrs = vp[:, None] + (row64 * vst)[:, None] + cols[None, :]
-    if PA > 1 and SA > 1:
-        # PA: every table pointer is 16-byte aligned, SA: every row stride a multiple of
-        # 16 bytes' worth of elements (both checked on the host, ``_alignment``): declare
-        # each row aligned and contiguous so that it moves in 16-byte vectors. The compiler
-        # cannot see through pointers loaded from a table (element-wise loads otherwise),
-        # and the hint must sit in the function that does the load.
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
-    v = tl.load(ptrs, mask=smask[:, None] & cmask[None, :], other=0.0)
-    return v.to(tl.float32), src, smask
+    # (a group not asked for gets the other's pointers as a placeholder, never loaded)
+    if VALS:
+        vp = _row_ptrs(src, smask, row64, v_tab, vs_tab, vref)
+        kp = vp
+    if KEYS:
+        kp = _row_ptrs(src, smask, row64, k_tab, ks_tab, kref)
+        if not VALS:
+            vp = kp
+    return vp, kp, src, smask
+
+
+@triton.jit
+def _load_rows(rp, smask, cols, cmask, A: tl.constexpr):
+    # [BL, BW] rows at the row pointers rp, in their own dtype (masked rows read zeros).
+    # A: every row pointer is 16-byte aligned and holds whole 16-byte vectors (checked on
+    # the host, ``_alignment``): declared so that rows move in 16-byte vectors. The
+    # compiler cannot see through pointers read from a table (element-wise loads
+    # otherwise), and the hint must sit in the function that does the load.
+    ptrs = rp[:, None] + cols[None, :]
+    if A:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 16])
+    return tl.load(ptrs, mask=smask[:, None] & cmask[None, :], other=0.0)
+
+
+@triton.jit
+def _src_rows(vp, kp, smask, cols, cmask, rcols, r, VALS: tl.constexpr, KEYS: tl.constexpr,
+              PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
+    # the value and/or key rows of one step, in their own dtype (a group not asked for
+    # gets the other's rows as a placeholder)
+    if VALS:
+        v = _load_rows(vp, smask, cols, cmask, PA > 1 and SA > 1)
+        kf = v
+    if KEYS:
+        kf = _load_rows(kp, smask, rcols, rcols < r, PA > 1 and SK > 1)
+        if not VALS:
+            v = kf
+    return v, kf
 
 
 @triton.jit
@@ -294,23 +328,9 @@ def _store_rows(tab, src, smask, ref, row64, width, cols, cmask, x, PA: tl.const
     # x [BL, BW] into row ``row64`` of the table's tensors (contiguous, row stride width)
     p = _tab_ptrs(tab, src, smask, ref)
     ptrs = p[:, None] + row64 * width + cols[None, :]
-    if PA > 1 and SA > 1:  # 16-byte vectors (see _src_tile)
+    if PA > 1 and SA > 1:  # 16-byte vectors (see _load_rows)
         ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
     tl.store(ptrs, x.to(ref.dtype.element_ty), mask=smask[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA: tl.constexpr,
-              SK: tl.constexpr):
-    # kf: [BL, BR] fp32 projected keys of the tile's sources
-    kp = _tab_ptrs(k_tab, src, smask, kref)
-    kst = tl.load(ks_tab + src, mask=smask, other=0)
-    ptrs = kp[:, None] + (row64 * kst)[:, None] + rcols[None, :]
-    if PA > 1 and SK > 1:  # 16-byte vectors (see _src_tile)
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, PA]), [1, 16])
-    kf = tl.load(ptrs,
-                 mask=smask[:, None] & (rcols < r)[None, :], other=0.0)
-    return kf.to(tl.float32)
 
 
 @triton.jit
@@ -326,15 +346,14 @@ def _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
 
 
 @triton.jit
-def _fwd_src_step(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, cols, cmask,
-                  rcols, qk, keycol, r, eps, scale, m, l, acc,
-                  PROJECTED: tl.constexpr, BL: tl.constexpr, PA: tl.constexpr,
-                  SA: tl.constexpr, SK: tl.constexpr):
-    # one online-softmax step over sources base..base+BL-1
-    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
-    kf = v
+def _fwd_src_step(v, kf, smask, qk, keycol, r, eps, scale, m, l, acc,
+                  PROJECTED: tl.constexpr):
+    # one online-softmax step over a tile of sources (rows in their own dtype)
+    v = v.to(tl.float32)
     if PROJECTED:
-        kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA, SK)
+        kf = kf.to(tl.float32)
+    else:
+        kf = v
     s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
     s = tl.where(smask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -349,10 +368,8 @@ def _fwd_src_step(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, cols
 def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, lse_ptr,
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
-                    BR: tl.constexpr, STAGES: tl.constexpr, SC: tl.constexpr,
+                    BR: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr,
                     PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
-    # SC > 0: the source count as a constant, the source loop unrolled (every source's
-    # pointer and rows can be loaded ahead of the reductions of the earlier ones)
     row64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < d
@@ -361,84 +378,118 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
     m = tl.max(tl.full([BL], float("-inf"), tl.float32), axis=0)
     l = tl.sum(tl.zeros([BL], tl.float32), axis=0)
     acc = tl.zeros([BD], tl.float32)
-    if SC > 0:
-        for base in tl.static_range(0, SC, BL):
-            m, l, acc = _fwd_src_step(base, SC, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
-                                      kref, cols, cmask, rcols, qk, keycol, r, eps, scale,
-                                      m, l, acc, PROJECTED, BL, PA, SA, SK)
+    if PF:
+        vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
+                                    True, PROJECTED)
+        v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, True, PROJECTED, PA, SA, SK)
+        vp, kp, src, sm_n = _src_ptrs(BL, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref,
+                                      BL, True, PROJECTED)
+        for base in tl.range(0, S, BL, num_stages=1):
+            v_n, kf_n = _src_rows(vp, kp, sm_n, cols, cmask, rcols, r, True, PROJECTED, PA,
+                                  SA, SK)
+            vp, kp, src, sm_nn = _src_ptrs(base + 2 * BL, S, row64, v_tab, vs_tab, k_tab,
+                                           ks_tab, vref, kref, BL, True, PROJECTED)
+            m, l, acc = _fwd_src_step(v, kf, sm, qk, keycol, r, eps, scale, m, l, acc,
+                                      PROJECTED)
+            v, kf, sm, sm_n = v_n, kf_n, sm_n, sm_nn
     else:
         for base in tl.range(0, S, BL, num_stages=STAGES):
-            m, l, acc = _fwd_src_step(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
-                                      kref, cols, cmask, rcols, qk, keycol, r, eps, scale,
-                                      m, l, acc, PROJECTED, BL, PA, SA, SK)
+            vp, kp, src, sm = _src_ptrs(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
+                                        kref, BL, True, PROJECTED)
+            v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, True, PROJECTED, PA, SA, SK)
+            m, l, acc = _fwd_src_step(v, kf, sm, qk, keycol, r, eps, scale, m, l, acc,
+                                      PROJECTED)
     tl.store(out_ptr + row64 * d + cols, (acc / l).to(out_ptr.dtype.element_ty), mask=cmask)
     tl.store(lse_ptr + row64, m + tl.log(l))
 
 
 @triton.jit
-def _bwd_src_values(base, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab, dv_tab, vref, kref,
-                    da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale, g, lse, delta,
-                    BL: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
-                    SK: tl.constexpr):
-    # projected keys, pass 1: dv = a g, <g, v_i> parked in scratch, exact delta
-    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
-    kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA, SK)
-    s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, True)
-    a = tl.where(smask, tl.exp(s - lse), 0.0)
-    da = tl.sum(g[None, :] * v, axis=1)
-    tl.store(da_ptr + src.to(tl.int64) * T + row64, da, mask=smask)
-    _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, a[:, None] * g[None, :], PA,
-                SA)
-    return delta + tl.sum(a * da, axis=0)
+def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk_tab, vref,
+                  kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale, g, lse,
+                  delta, gq, dex, ck, HAS_OUT: tl.constexpr, PA: tl.constexpr,
+                  SA: tl.constexpr, SK: tl.constexpr):
+    # one step of a backward pass over a tile of sources (rows in their own dtype):
+    # MODE 0: delta = sum_i a_i <g, v_i> (sliced keys without a saved output);
+    # MODE 1: sliced keys, dv (value and key parts in one store) and the query gradient;
+    # MODE 2: projected keys, pass 1: dv = a g, <g, v_i> parked in scratch, exact delta;
+    # MODE 3: projected keys, pass 2: dk and the query gradient from the keys alone
+    if MODE == 3:
+        kf = kf.to(tl.float32)
+        s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, True)
+        a = tl.where(smask, tl.exp(s - lse), 0.0)
+        da = tl.load(da_ptr + src.to(tl.int64) * T + row64, mask=smask, other=0.0)
+        ds = a * (da - delta)
+        dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
+        _store_rows(dk_tab, src, smask, kref, row64, r, rcols, rcols < r, dk, PA, SK)
+        gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
+    else:
+        v = v.to(tl.float32)
+        if MODE == 2:
+            kf = kf.to(tl.float32)
+        else:
+            kf = v
+        s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, MODE == 2)
+        a = tl.where(smask, tl.exp(s - lse), 0.0)
+        da = tl.sum(g[None, :] * v, axis=1)
+        if MODE == 0:
+            delta += tl.sum(a * da, axis=0)
+        elif MODE == 2:
+            tl.store(da_ptr + src.to(tl.int64) * T + row64, da, mask=smask)
+            _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask,
+                        a[:, None] * g[None, :], PA, SA)
+            delta += tl.sum(a * da, axis=0)
+        else:
+            ds = a * (da - delta)
+            if HAS_OUT:
+                dex += tl.sum(a * da, axis=0)
+                ck += tl.sum((a * rstd)[:, None] * v, axis=0)
+            dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
+            gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
+            dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
+            _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, dv, PA, SA)
+    return delta, gq, dex, ck
 
 
 @triton.jit
-def _bwd_src_keys(base, S, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr, rcols, qk, keycol,
-                  r, eps, scale, lse, delta, gq, BL: tl.constexpr, PA: tl.constexpr,
-                  SK: tl.constexpr):
-    # projected keys, pass 2: dk and the query gradient from the keys alone
-    src = base + tl.arange(0, BL)
-    smask = src < S
-    kf = _src_keys(src, smask, row64, k_tab, ks_tab, kref, rcols, r, PA, SK)
-    s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, True)
-    a = tl.where(smask, tl.exp(s - lse), 0.0)
-    da = tl.load(da_ptr + src.to(tl.int64) * T + row64, mask=smask, other=0.0)
-    ds = a * (da - delta)
-    dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
-    _store_rows(dk_tab, src, smask, kref, row64, r, rcols, rcols < r, dk, PA, SK)
-    return gq + tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
-
-
-@triton.jit
-def _bwd_src_delta(base, S, row64, v_tab, vs_tab, vref, cols, cmask, qk, keycol, r, eps,
-                   scale, g, lse, delta, BL: tl.constexpr, PA: tl.constexpr,
-                   SA: tl.constexpr):
-    # sliced keys without a saved output: delta = sum_i a_i <g, v_i>
-    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
-    s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, False)
-    a = tl.where(smask, tl.exp(s - lse), 0.0)
-    return delta + tl.sum(a * tl.sum(g[None, :] * v, axis=1), axis=0)
-
-
-@triton.jit
-def _bwd_src_sliced(base, S, row64, d, v_tab, vs_tab, dv_tab, vref, cols, cmask, qk, keycol,
-                    r, eps, scale, g, lse, delta, gq, dex, ck,
-                    HAS_OUT: tl.constexpr, BL: tl.constexpr, PA: tl.constexpr,
-                    SA: tl.constexpr):
-    # sliced keys: dv (value and key parts in one store) and the query gradient
-    v, src, smask = _src_tile(base, S, row64, v_tab, vs_tab, vref, cols, cmask, BL, PA, SA)
-    s, rstd = _src_stats(v, v, qk, keycol, r, eps, scale, False)
-    a = tl.where(smask, tl.exp(s - lse), 0.0)
-    da = tl.sum(g[None, :] * v, axis=1)
-    ds = a * (da - delta)
-    if HAS_OUT:
-        dex += tl.sum(a * da, axis=0)
-        ck += tl.sum((a * rstd)[:, None] * v, axis=0)
-    dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
-    gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
-    dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
-    _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, dv, PA, SA)
-    return gq, dex, ck
+def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab, dv_tab,
+                  dk_tab, vref, kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale,
+                  g, o, lse, delta, gq, dex, ck, HAS_OUT: tl.constexpr, BL: tl.constexpr,
+                  STAGES: tl.constexpr, PF: tl.constexpr, PA: tl.constexpr,
+                  SA: tl.constexpr, SK: tl.constexpr):
+    # one pass over the sources of one token row (see _bwd_src_step for MODE). With a
+    # saved output (MODE 1, HAS_OUT), delta = <g, out> is reduced after the first rows'
+    # loads are issued.
+    VALS: tl.constexpr = MODE != 3
+    KEYS: tl.constexpr = MODE >= 2
+    if PF:
+        vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
+                                    VALS, KEYS)
+        v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
+        vp, kp, src_n, sm_n = _src_ptrs(BL, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
+                                        kref, BL, VALS, KEYS)
+        if MODE == 1 and HAS_OUT:
+            delta = tl.sum(g * o, axis=0)
+        for base in tl.range(0, S, BL, num_stages=1):
+            v_n, kf_n = _src_rows(vp, kp, sm_n, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
+            vp, kp, src_nn, sm_nn = _src_ptrs(base + 2 * BL, S, row64, v_tab, vs_tab, k_tab,
+                                              ks_tab, vref, kref, BL, VALS, KEYS)
+            delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
+                                               dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
+                                               qk, keycol, r, eps, scale, g, lse, delta, gq,
+                                               dex, ck, HAS_OUT, PA, SA, SK)
+            v, kf, src, sm, src_n, sm_n = v_n, kf_n, src_n, sm_n, src_nn, sm_nn
+    else:
+        if MODE == 1 and HAS_OUT:
+            delta = tl.sum(g * o, axis=0)
+        for base in tl.range(0, S, BL, num_stages=STAGES):
+            vp, kp, src, sm = _src_ptrs(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
+                                        kref, BL, VALS, KEYS)
+            v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
+            delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
+                                               dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
+                                               qk, keycol, r, eps, scale, g, lse, delta, gq,
+                                               dex, ck, HAS_OUT, PA, SA, SK)
+    return delta, gq, dex, ck
 
 
 @triton.jit
@@ -447,10 +498,9 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BL: tl.constexpr,
                     BD: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
-                    SC: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
+                    PF: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
                     SK: tl.constexpr):
-    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program.
-    # SC > 0: source loops unrolled over SC sources (as in the forward)
+    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -463,64 +513,40 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
         row64 = tl.cast(row, tl.int64)
         g = tl.load(g_ptr + row64 * g_stride + cols, mask=cmask, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + row64)
+        dex = zero
+        ck = tl.zeros_like(qk)
         if PROJECTED:
-            delta = zero
-            if SC > 0:
-                for base in tl.static_range(0, SC, BL):
-                    delta = _bwd_src_values(base, SC, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
-                                            dv_tab, vref, kref, da_ptr, cols, cmask, rcols, qk,
-                                            keycol, r, eps, scale, g, lse, delta, BL, PA,
-                                            SA, SK)
-            else:
-                for base in tl.range(0, S, BL, num_stages=STAGES):
-                    delta = _bwd_src_values(base, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
-                                            dv_tab, vref, kref, da_ptr, cols, cmask, rcols, qk,
-                                            keycol, r, eps, scale, g, lse, delta, BL, PA,
-                                            SA, SK)
+            # values once (dv = a g, exact delta, <g, v_i> parked in scratch), then keys only
+            delta, gq, dex, ck = _bwd_src_pass(2, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
+                                               dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
+                                               rcols, qk, keycol, r, eps, scale, g, g, lse,
+                                               zero, gq, dex, ck, False, BL, STAGES, PF, PA,
+                                               SA, SK)
             tl.debug_barrier()
-            if SC > 0:
-                for base in tl.static_range(0, SC, BL):
-                    gq = _bwd_src_keys(base, SC, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr,
-                                       rcols, qk, keycol, r, eps, scale, lse, delta, gq, BL,
-                                       PA, SK)
-            else:
-                for base in tl.range(0, S, BL, num_stages=STAGES):
-                    gq = _bwd_src_keys(base, S, row64, T, k_tab, ks_tab, dk_tab, kref, da_ptr,
-                                       rcols, qk, keycol, r, eps, scale, lse, delta, gq, BL,
-                                       PA, SK)
+            delta, gq, dex, ck = _bwd_src_pass(3, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
+                                               dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
+                                               rcols, qk, keycol, r, eps, scale, g, g, lse,
+                                               delta, gq, dex, ck, False, BL, STAGES, PF, PA,
+                                               SA, SK)
         else:
-            # delta = sum_i a_i <g, v_i> = <g, out> (exact without a saved output)
+            # delta = sum_i a_i <g, v_i> = <g, out> (exact without a saved output). With
+            # HAS_OUT, delta carries the output's rounding; grad_q is corrected after the
+            # loop with the exact delta (dex) and ck = sum_i a_i rstd_i v_i
+            o = g
+            delta = zero
             if HAS_OUT:
                 o = tl.load(o_ptr + row64 * d + cols, mask=cmask, other=0.0).to(tl.float32)
-                delta = tl.sum(g * o, axis=0)
             else:
-                delta = zero
-                if SC > 0:
-                    for base in tl.static_range(0, SC, BL):
-                        delta = _bwd_src_delta(base, SC, row64, v_tab, vs_tab, vref, cols, cmask,
-                                               qk, keycol, r, eps, scale, g, lse, delta, BL, PA,
-                                               SA)
-                else:
-                    for base in tl.range(0, S, BL, num_stages=STAGES):
-                        delta = _bwd_src_delta(base, S, row64, v_tab, vs_tab, vref, cols, cmask,
-                                               qk, keycol, r, eps, scale, g, lse, delta, BL, PA,
-                                               SA)
-            # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after
-            # the loop with the exact delta (dex) and ck = sum_i a_i rstd_i v_i
-            dex = zero
-            ck = tl.zeros_like(qk)
-            if SC > 0:
-                for base in tl.static_range(0, SC, BL):
-                    gq, dex, ck = _bwd_src_sliced(base, SC, row64, d, v_tab, vs_tab, dv_tab,
-                                                  vref, cols, cmask, qk, keycol, r, eps, scale,
-                                                  g, lse, delta, gq, dex, ck, HAS_OUT, BL, PA,
-                                                  SA)
-            else:
-                for base in tl.range(0, S, BL, num_stages=STAGES):
-                    gq, dex, ck = _bwd_src_sliced(base, S, row64, d, v_tab, vs_tab, dv_tab,
-                                                  vref, cols, cmask, qk, keycol, r, eps, scale,
-                                                  g, lse, delta, gq, dex, ck, HAS_OUT, BL, PA,
-                                                  SA)
+                delta, gq, dex, ck = _bwd_src_pass(0, S, row64, T, d, v_tab, vs_tab, k_tab,
+                                                   ks_tab, dv_tab, dk_tab, vref, kref, da_ptr,
+                                                   cols, cmask, rcols, qk, keycol, r, eps,
+                                                   scale, g, o, lse, zero, gq, dex, ck,
+                                                   False, BL, STAGES, PF, PA, SA, SK)
+            delta, gq, dex, ck = _bwd_src_pass(1, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
+                                               dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
+                                               rcols, qk, keycol, r, eps, scale, g, o, lse,
+                                               delta, gq, dex, ck, HAS_OUT, BL, STAGES, PF,
+                                               PA, SA, SK)
             if HAS_OUT:
                 gq += (scale * (delta - dex)) * ck
     if PROJECTED:
@@ -612,11 +638,14 @@ def _alignment(values: Sequence[Tensor], keys: Sequence[Tensor], d: int, r: int,
     return dict(PA=pa, SA=common(list(values), d), SK=common(list(keys), r))
 
 
-def _unrolled(S: int) -> int:
-    """SC of the source-tiled kernels: S itself (source loops unrolled, one compiled variant
-    per S) up to ``TUNE["src_unroll_max"]``, else 0 (a runtime loop). Off by default: on an
-    H200 (S=9, bf16) the unrolled forward was 10-25% slower than the runtime loop."""
-    return S if S <= TUNE.get("src_unroll_max", 0) else 0
+def _src_prefetch(backward: bool) -> int:
+    """PF of the source-tiled kernels (TUNE keys ``src_prefetch`` / ``src_bwd_prefetch``):
+    1 (the default) pipelines every source loop by hand
+    (the next step's rows and the step after's table entries are loaded while a step
+    reduces), 0 leaves it to Triton (``src_stages``). An earlier unrolled variant (one
+    compiled kernel per S) was 10-25% slower on an H200 than the runtime loop and is gone
+    (benchmarks/results/kernels_src_unroll_sweep_2026-12-01.log)."""
+    return int(bool(TUNE.get("src_bwd_prefetch" if backward else "src_prefetch", 1)))
 
 
 def _src_programs(T: int, dev: torch.device) -> int:
@@ -684,7 +713,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
         _fwd_src_kernel[(T,)](
             v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
             T, len(vs), d, r, eps, scale,
-            PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, SC=_unrolled(len(vs)),
+            PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, PF=_src_prefetch(False),
             **_alignment(vs, ks, d, r, bd), num_warps=warps)
         return out, lse
     _fwd_kernel[(triton.cdiv(T, bt),)](
@@ -730,7 +759,7 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             query, lse, g, g.stride(0), out if has_out else g, da, parts,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
-            SC=_unrolled(len(vs)), **_alignment(vs + dvs, ks + dks, d, r, bd),
+            PF=_src_prefetch(True), **_alignment(vs + dvs, ks + dks, d, r, bd),
             num_warps=warps)
         return parts.sum(0), dvs, dks
     _bwd_kernel[(nprog,)](

@@ -240,17 +240,18 @@ def test_parity_large_bf16(name, save_output):
 @pytest.mark.parametrize("projected", [False, True])
 def test_source_tiles_and_stages(projected, impl, monkeypatch):
     """Source-tiled kernels at other tiles (BL = 1, 2, 4, 8 sources per step, 1-3 pipeline
-    stages, few persistent backward programs, source loops unrolled or not) meet the same
+    stages, few persistent backward programs, hand pipelining on or off) meet the same
     table."""
     if impl != 1:
         pytest.skip("source-tiled kernels only")
     T, d, r, S, _ = STRESS["projected" if projected else "sliced"]
-    for bl, stages, ctas, unroll in ((1, 1, 1, 32), (2, 3, 2, 0), (8, 2, 8, 32), (4, 2, 4, 0)):
+    for bl, stages, ctas, pf in ((1, 1, 1, 1), (2, 3, 2, 0), (8, 2, 8, 1), (4, 2, 4, 0),
+                                 (4, 1, 3, 1)):
         for pre in ("src_", "src_bwd_"):
             monkeypatch.setitem(kdr.TUNE, pre + "sources", bl)
             monkeypatch.setitem(kdr.TUNE, pre + "stages", stages)
+            monkeypatch.setitem(kdr.TUNE, pre + "prefetch", pf)
         monkeypatch.setitem(kdr.TUNE, "src_ctas_per_sm", ctas)
-        monkeypatch.setitem(kdr.TUNE, "src_unroll_max", unroll)  # 0: runtime source loop
         for dtype in (torch.float32, torch.bfloat16):
             check(T, d, r, S + 5, dtype, projected)
 

@@ -4,11 +4,12 @@ that allows per SM, spills, shared memory, and how global memory is moved (16-by
 or element by element).
 
     python tools/kernel_ptx.py                         # bf16, d = 2048 and 4096, sm_90a
-    python tools/kernel_ptx.py --widths 2048 --warps 4 8 --no-align
+    python tools/kernel_ptx.py --widths 2048 --warps 4 8 --no-align --no-prefetch
 
 ``--no-align`` compiles without the alignment facts the host passes when every source
 pointer and row stride allows 16-byte vectors (``lrattn_kernels.depth_read._alignment``).
-Uses the ``ptxas`` bundled with Triton.
+``--no-prefetch`` compiles the source loops without the hand pipelining (TUNE
+``src_prefetch`` / ``src_bwd_prefetch`` = 0). Uses the ``ptxas`` bundled with Triton.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def main():
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--no-align", action="store_true", help="without the 16-byte alignment facts")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="source loops without the hand pipelining")
     args = ap.parse_args()
     pa, sa = (1, 1) if args.no_align else (16, 8)
     print(f"{'kernel':>4} {'d':>5} {'warps':>5} | {'regs':>4} {'progs/SM':>8} {'spill B':>7} "
@@ -86,7 +89,7 @@ def main():
             for name, fn, fargs, extra in (
                     ("fwd", kdr._fwd_src_kernel, FWD_ARGS, dict(BL=2)),
                     ("bwd", kdr._bwd_src_kernel, BWD_ARGS, dict(BL=1, HAS_OUT=True))):
-                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=1, SC=0, PA=pa, SA=sa, SK=1,
+                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=1, PF=int(not args.no_prefetch), PA=pa, SA=sa, SK=1,
                           **extra)
                 ptx = compile_ptx(fn, fargs, cs, warps, args.arch)
                 regs, spill, smem = ptxas_report(ptx, args.arch)
