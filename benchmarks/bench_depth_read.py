@@ -34,6 +34,7 @@ import csv
 import datetime
 import functools
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +85,20 @@ def bench(fn, rep):
     for _ in range(2):
         fn()
     return (time.perf_counter() - t0) / 2 * 1e3
+
+
+ROUNDS = 3  # --rounds: timed rounds per candidate, interleaved (see bench_rounds)
+
+
+def bench_rounds(fns, rep):
+    """{name: median ms} of several callables timed in ROUNDS interleaved rounds (A B C, A B
+    C, ...; each entry the median of one ``bench``), so that a slow spell of the GPU (clocks,
+    a neighbour) lands on every candidate instead of on whichever ran then."""
+    runs = {name: [] for name in fns}
+    for _ in range(ROUNDS if DEVICE == "cuda" else 1):
+        for name, fn in fns.items():
+            runs[name].append(bench(fn, rep))
+    return {name: statistics.median(ms) for name, ms in runs.items()}
 
 
 def copy_bandwidth(gib=2):
@@ -195,7 +210,7 @@ def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False, compil
     kbytes = S * T * r * 2 if projected else 0
     nbytes = {"fwd": (S + 1) * T * d * 2 + kbytes, "fwdbwd": (3 * S + 2) * T * d * 2 + 3 * kbytes}
     min_mib = (S + 1) * T * d * 2 / 2**20 + kbytes / 2**20
-    rows = []
+    rows, timed = [], {}
     fns = backends(compile_peer and S == 9 and d >= 2048 and not projected and DEVICE == "cuda")
     for name, fn in fns.items():
         row = dict(meta, T=T, d=d, S=S, r=r, keys=keys_kind, backend=name, copy_tbps=f"{copy_tbps:.3f}",
@@ -216,10 +231,15 @@ def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False, compil
             rows.append(dict(row, **{"pass": "fwdbwd"}))
             continue
         peak = peak_extra_mib(lambda: fwd_bwd(fn, vals, query, keys, grad))
-        with torch.no_grad():
-            t_fwd = bench(lambda: fn(vals, query, keys), rep=100)
-        t_fb = bench(lambda: fwd_bwd(fn, vals, query, keys, grad), rep=150)
-        for p, ms in (("fwd", t_fwd), ("fwdbwd", t_fb)):
+        timed[name] = (fn, row, peak)
+    # all backends that passed, timed in interleaved rounds (bench_rounds)
+    with torch.no_grad():
+        t_fwd = bench_rounds({n: functools.partial(fn, vals, query, keys)
+                              for n, (fn, _, _) in timed.items()}, rep=100)
+    t_fb = bench_rounds({n: functools.partial(fwd_bwd, fn, vals, query, keys, grad)
+                         for n, (fn, _, _) in timed.items()}, rep=150)
+    for name, (fn, row, peak) in timed.items():
+        for p, ms in (("fwd", t_fwd[name]), ("fwdbwd", t_fb[name])):
             tbps = nbytes[p] / ms / 1e9
             rows.append(dict(row, **{"pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
                                      "tbps": f"{tbps:.3f}", "pct_copy": f"{100 * tbps / copy_tbps:.1f}",
@@ -253,12 +273,19 @@ def sweep(T, copy_tbps):
         kdr.TUNE.clear()
 
 
+def _with_tune(settings, fn, *args):
+    kdr.TUNE.clear()
+    kdr.TUNE.update(settings)
+    return fn(*args)
+
+
 def src_sweep(T, copy_tbps, widths=(2048, 4096)):
     """Sweep the source-tiled kernels at S=9, sliced r=d/4: forward (hand pipelining on or
     off, sources per step, warps), then backward (pipelining, sources per step, programs per
-    SM) in both backward modes (saved output / recompute); keep the fastest forward and
-    saved-output backward settings per width in ``kdr.TUNE`` for the table that follows
-    (printed, so the run says which settings produced its rows). Returns {d: settings}."""
+    SM) in both backward modes (saved output / recompute), each group timed in interleaved
+    rounds (bench_rounds); keep the fastest forward and saved-output backward settings per
+    width in ``kdr.TUNE`` for the table that follows (printed, so the run says which
+    settings produced its rows). Returns {d: settings}."""
     S = 9
     best = {}
     base = dict(kdr.TUNE)  # LRATTN_KERNELS_TUNE, restored at the end
@@ -267,24 +294,28 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         vals, query, _, grad = make(T, d, r, S, False, seed=3)
         fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
         ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
-        fwd_res, bwd_res = [], []
+        fwd = {}
         for pf in (1, 0):
             for bl in (1, 2, 4):
                 for warps in (4, 8):
                     cfg = dict(src_sources=bl, src_warps=warps, src_stages=1, src_prefetch=pf)
-                    kdr.TUNE.clear()
-                    kdr.TUNE.update(base, impl=1, **cfg)
+                    tune = dict(base, impl=1, **cfg)
+                    name = f"prefetch={pf} BL={bl} warps={warps}"
                     with torch.no_grad():
-                        err = rel_rms(kdr.depth_read_triton(vals, query), ref[0])
-                        if not err <= TOL_BF16:
-                            print(f"src sweep fwd d={d} {cfg}: RED CHECK {err:.1e}", flush=True)
-                            continue
-                        tf = bench(lambda: kdr.depth_read_triton(vals, query), rep=100)
-                    pct = 100 * fwd_bytes / tf / 1e9 / copy_tbps
-                    fwd_res.append((pct, cfg))
-                    print(f"src sweep fwd d={d} prefetch={pf} BL={bl} warps={warps}: "
-                          f"{tf:.3f} ms {pct:.1f}%", flush=True)
-        fbest = max(fwd_res, key=lambda x: x[0])[1]
+                        err = rel_rms(_with_tune(tune, kdr.depth_read_triton, vals, query),
+                                      ref[0])
+                    if not err <= TOL_BF16:
+                        print(f"src sweep fwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
+                        continue
+                    fwd[name] = (cfg, functools.partial(_with_tune, tune,
+                                                        kdr.depth_read_triton, vals, query))
+        with torch.no_grad():
+            ms = bench_rounds({n: f for n, (_, f) in fwd.items()}, rep=100)
+        for n, t in ms.items():
+            print(f"src sweep fwd d={d} {n}: {t:.3f} ms "
+                  f"{100 * fwd_bytes / t / 1e9 / copy_tbps:.1f}%", flush=True)
+        fbest = fwd[min(ms, key=ms.get)][0]
+        bwd = {}
         for save in (True, False):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
             for pf in (1, 0):
@@ -292,26 +323,59 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
                     for ctas in (4, 8):
                         cfg = dict(src_bwd_sources=bl, src_bwd_warps=4, src_bwd_stages=1,
                                    src_bwd_prefetch=pf, src_ctas_per_sm=ctas)
-                        kdr.TUNE.clear()
-                        kdr.TUNE.update(base, impl=1, **fbest, **cfg)
-                        err = check(fn, vals, query, None, grad, ref)
+                        tune = dict(base, impl=1, **fbest, **cfg)
                         name = f"save_output={save} prefetch={pf} BL={bl} ctas/sm={ctas}"
+                        err = _with_tune(tune, check, fn, vals, query, None, grad, ref)
                         if not err <= TOL_BF16:
                             print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}",
                                   flush=True)
                             continue
-                        tb = bench(lambda: fwd_bwd(fn, vals, query, None, grad), rep=150)
-                        pct = 100 * fb_bytes / tb / 1e9 / copy_tbps
-                        if save:
-                            bwd_res.append((pct, cfg))
-                        print(f"src sweep fwd+bwd d={d} {name}: {tb:.3f} ms {pct:.1f}%",
-                              flush=True)
-        best[d] = dict(fbest, **max(bwd_res, key=lambda x: x[0])[1])
+                        bwd[name] = (cfg, save, functools.partial(
+                            _with_tune, tune, fwd_bwd, fn, vals, query, None, grad))
+        ms = bench_rounds({n: f for n, (_, _, f) in bwd.items()}, rep=150)
+        for n, t in ms.items():
+            print(f"src sweep fwd+bwd d={d} {n}: {t:.3f} ms "
+                  f"{100 * fb_bytes / t / 1e9 / copy_tbps:.1f}%", flush=True)
+        saved = {n: t for n, t in ms.items() if bwd[n][1]}
+        best[d] = dict(fbest, **bwd[min(saved, key=saved.get)][0])
         print(f"src sweep best d={d}: {best[d]}", flush=True)
         del vals, grad, ref
     kdr.TUNE.clear()
     kdr.TUNE.update(base)
     return best
+
+
+def layout_probe(T, copy_tbps, d=2048, S=9):
+    """Does where the sources sit in memory change the speed? The same sources as separate
+    allocations (the default), carved back to back from one buffer, and carved with random
+    gaps (multiples of 4 KiB) between them; ours and the peers, sliced r=d/4 and r=d,
+    timed in interleaved rounds."""
+    gen = torch.Generator().manual_seed(11)
+    for r in (d // 4, d):
+        vals, query, _, grad = make(T, d, r, S, False, seed=5)
+        layouts = {"separate": vals}
+        for kind in ("back_to_back", "gapped"):
+            gaps = [0] * S if kind == "back_to_back" else \
+                [int(x) * 2048 for x in torch.randint(1, 64, (S,), generator=gen)]
+            buf = torch.empty(S * T * d + sum(gaps), dtype=vals[0].dtype, device=DEVICE)
+            placed, off = [], 0
+            for v, gap in zip(vals, gaps):
+                off += gap
+                placed.append(buf[off:off + T * d].view(T, d).copy_(v))
+                off += T * d
+            layouts[kind] = placed
+        fns = {}
+        for name, fn in backends(False).items():
+            if name == "torch_ref" or fn(vals, query, None) is None:
+                continue
+            for kind, vs in layouts.items():
+                fns[f"{name} {kind}"] = functools.partial(fwd_bwd, fn, vs, query, None, grad)
+        ms = bench_rounds(fns, rep=150)
+        fb_bytes = (3 * S + 2) * T * d * 2
+        for n, t in ms.items():
+            print(f"layout d={d} r={r} {n}: fwd+bwd {t:.3f} ms "
+                  f"{100 * fb_bytes / t / 1e9 / copy_tbps:.1f}%", flush=True)
+        del vals, grad, layouts, fns
 
 
 def prefetch_ab(T, copy_tbps):
@@ -422,6 +486,7 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
 
 
 def main():
+    global DEVICE, ROUNDS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--widths", type=int, nargs="+", default=[2048, 4096])
@@ -436,6 +501,11 @@ def main():
                          "fastest settings per width (printed)")
     ap.add_argument("--prefetch-ab", action="store_true",
                     help="time the kernels with and without next-source prefetch first")
+    ap.add_argument("--layout-probe", action="store_true",
+                    help="fwd+bwd with the sources at other places in memory (d=2048, S=9)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="interleaved timing rounds per candidate (median taken)")
+    ap.add_argument("--no-table", action="store_true", help="sweeps and probes only")
     ap.add_argument("--block", action="store_true",
                     help="time one depth block (per-site reads vs two-phase) instead of the table")
     ap.add_argument("--block-width", type=int, default=2048)
@@ -455,11 +525,11 @@ def main():
         with open(args.summarize, newline="") as f:
             summarize([r for r in csv.DictReader(f) if r.get("pct_copy")])
         return
-    global DEVICE
     if args.smoke:
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
         sys.exit("bench_depth_read: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    ROUNDS = args.rounds
     T = args.tokens
     copy_tbps = copy_bandwidth()
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-interpreter"
@@ -472,8 +542,12 @@ def main():
         if args.src_sweep else {}
     if args.prefetch_ab:
         prefetch_ab(T, copy_tbps)
+    if args.layout_probe:
+        layout_probe(T, copy_tbps)
     if args.block:
         run_blocks(args, T, copy_tbps, meta)
+        return
+    if args.no_table:
         return
     pairs = [(d, S) for S in args.sources for d in args.widths]
     pairs += [tuple(int(x) for x in p.split(":")) for p in args.extra.split(",") if p]
