@@ -602,10 +602,13 @@ def _impl(d: int) -> str:
 
 def _src_tiles(d: int, S: int, backward: bool) -> Tuple[int, int, int]:
     """(BL sources per step, num_warps, pipeline stages) of the source-tiled kernels."""
-    # defaults from the H200 sweep (benchmarks/results/kernels_src_2026-12-01.log: S=9,
-    # d=2048 and 4096): forward 2 sources per step, backward 1, 4 warps, no pipelining
+    # defaults from the H200 sweeps with hand pipelining (S=9, sliced r=d/4, candidates timed
+    # in interleaved rounds; benchmarks/results/kernels_prefetch_interleaved_2026-12-01.log):
+    # one source per step in both passes, 4 warps. Forward 74.4% / 74.9% of copy bandwidth at
+    # d=2048 / 4096 (2 sources per step without pipelining, the earlier default: 68.5% /
+    # 72.7%); fwd+bwd at d=4096 66.0% (61.5%).
     pre = "src_bwd_" if backward else "src_"
-    bl = TUNE.get(pre + "sources", 1 if backward else 2)
+    bl = TUNE.get(pre + "sources", 1)
     bl = max(1, min(triton.next_power_of_2(bl), triton.next_power_of_2(S)))
     bd = triton.next_power_of_2(d)
     warps = TUNE.get(pre + "warps", max(4, min(16, bl * bd // 2048)))
@@ -734,20 +737,13 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
         return torch.zeros_like(query), [dv.zero_() for dv in dvs], [dk.zero_() for dk in dks]
     g = _rows(grad_out, d)
     bt, bd, br, warps = _tiles(d, r, projected, T)
-    n_blocks = triton.cdiv(T, bt)
-    if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        nprog = min(n_blocks, sms * TUNE.get("ctas_per_sm", 4))
-    else:
-        nprog = min(n_blocks, 2)
-    parts = _alloc((nprog, r), torch.float32, dev)
     v_tab, vs_tab = _table(vs)
     dv_tab, _ = _table(dvs)
     k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
     dk_tab = _table(dks)[0] if projected else dv_tab
     kref = ks[0] if projected else vs[0]
-    # projected keys need no output: delta is exact after one pass over the values
-    da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
+    # projected keys need no output: delta is exact after one pass over the values (da: the
+    # <g, v_i> scratch of projected keys; a placeholder otherwise)
     has_out = out is not None and not projected
     if _impl(d) == "src":
         bl, warps, stages = _src_tiles(d, len(vs), backward=True)
@@ -762,6 +758,14 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             PF=_src_prefetch(True), **_alignment(vs + dvs, ks + dks, d, r, bd),
             num_warps=warps)
         return parts.sum(0), dvs, dks
+    n_blocks = triton.cdiv(T, bt)
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        nprog = min(n_blocks, sms * TUNE.get("ctas_per_sm", 4))
+    else:
+        nprog = min(n_blocks, 2)
+    parts = _alloc((nprog, r), torch.float32, dev)
+    da = _alloc((len(vs), T), torch.float32, dev) if projected else parts
     _bwd_kernel[(nprog,)](
         v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vs[0], kref,
         query, lse, g, g.stride(0), out if has_out else g, da, parts,
