@@ -87,8 +87,10 @@ def main():
         bd = triton.next_power_of_2(d)
         for warps in args.warps:
             for name, fn, fargs, extra in (
-                    ("fwd", kdr._fwd_src_kernel, FWD_ARGS, dict(BL=2)),
-                    ("bwd", kdr._bwd_src_kernel, BWD_ARGS, dict(BL=1, HAS_OUT=True))):
+                    ("fwd", kdr._fwd_src_kernel, FWD_ARGS,
+                     dict(BL=kdr._src_tiles(d, 9, backward=False)[0])),
+                    ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
+                     dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True))):
                 cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=1, PF=int(not args.no_prefetch), PA=pa, SA=sa, SK=1,
                           **extra)
                 ptx = compile_ptx(fn, fargs, cs, warps, args.arch)
