@@ -54,7 +54,7 @@ TOL_BF16 = 1e-2
 DEVICE = "cuda"
 FIELDS = ["date", "gpu", "git_sha", "torch", "triton", "T", "d", "S", "r", "keys", "backend",
           "pass", "ms", "gbytes", "tbps", "pct_copy", "copy_tbps", "peak_mib", "min_mib", "check",
-          "gpu_ms", "gpu_pct_copy"]
+          "gpu_ms", "gpu_pct_copy", "host_ms"]
 
 
 def rel_rms(x, ref):
@@ -125,6 +125,23 @@ def device_ms(fn, iters=10):
         print(f"  device_ms: profiler failed ({type(e).__name__}: {str(e)[:100]})", flush=True)
         return float("nan")
     return us / iters / 1e3 if us > 0 else float("nan")
+
+
+def host_ms(fn, iters=20):
+    """CPU time of one call (ms, median): the Python call itself, without waiting for the
+    GPU (the launches queue up). With ``bench`` (wall) and ``device_ms`` (GPU busy) it says
+    which of the two sets a call's wall time."""
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
 
 
 def copy_bandwidth(gib=2):
@@ -267,14 +284,20 @@ def bench_shape(T, d, r, S, keys_kind, copy_tbps, meta, sweep_only=False, compil
     for name, (fn, row, peak) in timed.items():
         with torch.no_grad():
             g_fwd = device_ms(functools.partial(fn, vals, query, keys))
+            h_fwd = host_ms(functools.partial(fn, vals, query, keys))
         g_fb = device_ms(functools.partial(fwd_bwd, fn, vals, query, keys, grad))
-        for p, ms, gms in (("fwd", t_fwd[name], g_fwd), ("fwdbwd", t_fb[name], g_fb)):
+        h_fb = host_ms(functools.partial(fwd_bwd, fn, vals, query, keys, grad))
+        print(f"  {name}: ms wall / GPU busy / host: fwd {t_fwd[name]:.3f} / {g_fwd:.3f} / "
+              f"{h_fwd:.3f}, fwd+bwd {t_fb[name]:.3f} / {g_fb:.3f} / {h_fb:.3f}", flush=True)
+        for p, ms, gms, hms in (("fwd", t_fwd[name], g_fwd, h_fwd),
+                                ("fwdbwd", t_fb[name], g_fb, h_fb)):
             tbps = nbytes[p] / ms / 1e9
             gpct = 100 * nbytes[p] / gms / 1e9 / copy_tbps
             rows.append(dict(row, **{"pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
                                      "tbps": f"{tbps:.3f}", "pct_copy": f"{100 * tbps / copy_tbps:.1f}",
                                      "peak_mib": f"{peak:.0f}" if p == "fwdbwd" else "",
-                                     "gpu_ms": f"{gms:.4f}", "gpu_pct_copy": f"{gpct:.1f}"}))
+                                     "gpu_ms": f"{gms:.4f}", "gpu_pct_copy": f"{gpct:.1f}",
+                                     "host_ms": f"{hms:.4f}"}))
     del vals, keys, grad, ref
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -326,20 +349,21 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
         ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
         fwd = {}
-        for pf in (1, 0):
-            for bl in (1, 2, 4):
-                for warps in (4, 8):
-                    cfg = dict(src_sources=bl, src_warps=warps, src_stages=1, src_prefetch=pf)
-                    tune = dict(base, impl=1, **cfg)
-                    name = f"prefetch={pf} BL={bl} warps={warps}"
-                    with torch.no_grad():
-                        err = rel_rms(_with_tune(tune, kdr.depth_read_triton, vals, query),
-                                      ref[0])
-                    if not err <= TOL_BF16:
-                        print(f"src sweep fwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
-                        continue
-                    fwd[name] = (cfg, functools.partial(_with_tune, tune,
-                                                        kdr.depth_read_triton, vals, query))
+        # (hand pipelining, sources per step, warps, fused row sums); the first is the
+        # default, the fifth the default before hand pipelining
+        for pf, bl, warps, fs in ((1, 1, 4, 1), (1, 1, 4, 0), (1, 2, 4, 1), (1, 2, 4, 0),
+                                  (0, 2, 4, 0), (0, 1, 4, 1), (1, 1, 8, 1), (1, 4, 4, 1)):
+            cfg = dict(src_sources=bl, src_warps=warps, src_stages=1, src_prefetch=pf,
+                       src_fused_sums=fs)
+            tune = dict(base, impl=1, **cfg)
+            name = f"prefetch={pf} BL={bl} warps={warps} fused_sums={fs}"
+            with torch.no_grad():
+                err = rel_rms(_with_tune(tune, kdr.depth_read_triton, vals, query), ref[0])
+            if not err <= TOL_BF16:
+                print(f"src sweep fwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
+                continue
+            fwd[name] = (cfg, functools.partial(_with_tune, tune, kdr.depth_read_triton,
+                                                vals, query))
         with torch.no_grad():
             ms = bench_rounds({n: f for n, (_, f) in fwd.items()}, rep=100)
         for n, t in ms.items():
@@ -349,20 +373,22 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         bwd = {}
         for save in (True, False):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
-            for pf in (1, 0):
-                for bl in (1, 2):
-                    for ctas in (4, 8):
-                        cfg = dict(src_bwd_sources=bl, src_bwd_warps=4, src_bwd_stages=1,
-                                   src_bwd_prefetch=pf, src_ctas_per_sm=ctas)
-                        tune = dict(base, impl=1, **fbest, **cfg)
-                        name = f"save_output={save} prefetch={pf} BL={bl} ctas/sm={ctas}"
-                        err = _with_tune(tune, check, fn, vals, query, None, grad, ref)
-                        if not err <= TOL_BF16:
-                            print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}",
-                                  flush=True)
-                            continue
-                        bwd[name] = (cfg, save, functools.partial(
-                            _with_tune, tune, fwd_bwd, fn, vals, query, None, grad))
+            # (hand pipelining, sources per step, programs per SM, fused row sums); the
+            # first is the default, the fifth the default before hand pipelining; the
+            # forward keeps the best setting above
+            for pf, bl, ctas, fs in ((1, 1, 8, 1), (1, 1, 8, 0), (1, 2, 8, 1), (1, 1, 4, 1),
+                                     (0, 1, 8, 0), (1, 1, 16, 1)):
+                cfg = dict(src_bwd_sources=bl, src_bwd_warps=4, src_bwd_stages=1,
+                           src_bwd_prefetch=pf, src_ctas_per_sm=ctas, src_bwd_fused_sums=fs)
+                tune = dict(base, impl=1, **fbest, **cfg)
+                name = (f"save_output={save} prefetch={pf} BL={bl} ctas/sm={ctas} "
+                        f"fused_sums={fs}")
+                err = _with_tune(tune, check, fn, vals, query, None, grad, ref)
+                if not err <= TOL_BF16:
+                    print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
+                    continue
+                bwd[name] = (cfg, save, functools.partial(
+                    _with_tune, tune, fwd_bwd, fn, vals, query, None, grad))
         ms = bench_rounds({n: f for n, (_, _, f) in bwd.items()}, rep=150)
         for n, t in ms.items():
             print(f"src sweep fwd+bwd d={d} {n}: {t:.3f} ms "

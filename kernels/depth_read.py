@@ -334,6 +334,31 @@ def _store_rows(tab, src, smask, ref, row64, width, cols, cmask, x, PA: tl.const
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _sliced_sums(v, g, qk, keycol, r, eps, scale, WITH_G: tl.constexpr):
+    # sliced keys, every row sum of a step in one reduction (one cross-warp exchange
+    # instead of two or three): logits s, inverse key RMS rstd and (WITH_G) da = <g, v>
+    vq = v * qk[None, :]
+    vv = tl.where(keycol[None, :], v * v, 0.0)
+    if WITH_G:
+        sq, ss, da = tl.reduce((vq, vv, g[None, :] * v), 1, _add3)
+    else:
+        sq, ss = tl.reduce((vq, vv), 1, _add2)
+        da = sq
+    rstd = 1.0 / tl.sqrt(ss / r + eps)
+    return scale * sq * rstd, rstd, da
+
+
+@triton.jit
 def _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
     # logits s and inverse key RMS rstd, [BL] (finite on masked rows: they read zeros)
     if PROJECTED:
@@ -347,14 +372,18 @@ def _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
 
 @triton.jit
 def _fwd_src_step(v, kf, smask, qk, keycol, r, eps, scale, m, l, acc,
-                  PROJECTED: tl.constexpr):
-    # one online-softmax step over a tile of sources (rows in their own dtype)
+                  PROJECTED: tl.constexpr, FS: tl.constexpr):
+    # one online-softmax step over a tile of sources (rows in their own dtype); FS: the
+    # row sums of sliced keys in one reduction
     v = v.to(tl.float32)
     if PROJECTED:
         kf = kf.to(tl.float32)
     else:
         kf = v
-    s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
+    if FS and not PROJECTED:
+        s, rstd, _ = _sliced_sums(v, v, qk, keycol, r, eps, scale, False)
+    else:
+        s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, PROJECTED)
     s = tl.where(smask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=0))
     alpha = tl.exp(m - m_new)
@@ -369,7 +398,8 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
                     BR: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr,
-                    PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
+                    FS: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
+                    SK: tl.constexpr):
     row64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < d
@@ -390,7 +420,7 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
             vp, kp, src, sm_nn = _src_ptrs(base + 2 * BL, S, row64, v_tab, vs_tab, k_tab,
                                            ks_tab, vref, kref, BL, True, PROJECTED)
             m, l, acc = _fwd_src_step(v, kf, sm, qk, keycol, r, eps, scale, m, l, acc,
-                                      PROJECTED)
+                                      PROJECTED, FS)
             v, kf, sm, sm_n = v_n, kf_n, sm_n, sm_nn
     else:
         for base in tl.range(0, S, BL, num_stages=STAGES):
@@ -398,7 +428,7 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
                                         kref, BL, True, PROJECTED)
             v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, True, PROJECTED, PA, SA, SK)
             m, l, acc = _fwd_src_step(v, kf, sm, qk, keycol, r, eps, scale, m, l, acc,
-                                      PROJECTED)
+                                      PROJECTED, FS)
     tl.store(out_ptr + row64 * d + cols, (acc / l).to(out_ptr.dtype.element_ty), mask=cmask)
     tl.store(lse_ptr + row64, m + tl.log(l))
 
@@ -406,8 +436,8 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
 @triton.jit
 def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk_tab, vref,
                   kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale, g, lse,
-                  delta, gq, dex, ck, HAS_OUT: tl.constexpr, PA: tl.constexpr,
-                  SA: tl.constexpr, SK: tl.constexpr):
+                  delta, gq, dex, ck, HAS_OUT: tl.constexpr, FS: tl.constexpr,
+                  PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
     # one step of a backward pass over a tile of sources (rows in their own dtype):
     # MODE 0: delta = sum_i a_i <g, v_i> (sliced keys without a saved output);
     # MODE 1: sliced keys, dv (value and key parts in one store) and the query gradient;
@@ -428,9 +458,12 @@ def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk
             kf = kf.to(tl.float32)
         else:
             kf = v
-        s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, MODE == 2)
+        if FS and MODE != 2:
+            s, rstd, da = _sliced_sums(v, g, qk, keycol, r, eps, scale, True)
+        else:
+            s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, MODE == 2)
+            da = tl.sum(g[None, :] * v, axis=1)
         a = tl.where(smask, tl.exp(s - lse), 0.0)
-        da = tl.sum(g[None, :] * v, axis=1)
         if MODE == 0:
             delta += tl.sum(a * da, axis=0)
         elif MODE == 2:
@@ -454,8 +487,8 @@ def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk
 def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab, dv_tab,
                   dk_tab, vref, kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale,
                   g, o, lse, delta, gq, dex, ck, HAS_OUT: tl.constexpr, BL: tl.constexpr,
-                  STAGES: tl.constexpr, PF: tl.constexpr, PA: tl.constexpr,
-                  SA: tl.constexpr, SK: tl.constexpr):
+                  STAGES: tl.constexpr, PF: tl.constexpr, FS: tl.constexpr,
+                  PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
     # one pass over the sources of one token row (see _bwd_src_step for MODE). With a
     # saved output (MODE 1, HAS_OUT), delta = <g, out> is reduced after the first rows'
     # loads are issued.
@@ -476,7 +509,7 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
                                                qk, keycol, r, eps, scale, g, lse, delta, gq,
-                                               dex, ck, HAS_OUT, PA, SA, SK)
+                                               dex, ck, HAS_OUT, FS, PA, SA, SK)
             v, kf, src, sm, src_n, sm_n = v_n, kf_n, src_n, sm_n, src_nn, sm_nn
     else:
         if MODE == 1 and HAS_OUT:
@@ -488,7 +521,7 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
                                                qk, keycol, r, eps, scale, g, lse, delta, gq,
-                                               dex, ck, HAS_OUT, PA, SA, SK)
+                                               dex, ck, HAS_OUT, FS, PA, SA, SK)
     return delta, gq, dex, ck
 
 
@@ -498,8 +531,8 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BL: tl.constexpr,
                     BD: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
-                    PF: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr,
-                    SK: tl.constexpr):
+                    PF: tl.constexpr, FS: tl.constexpr, PA: tl.constexpr,
+                    SA: tl.constexpr, SK: tl.constexpr):
     # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -520,14 +553,14 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
             delta, gq, dex, ck = _bwd_src_pass(2, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
                                                dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
                                                rcols, qk, keycol, r, eps, scale, g, g, lse,
-                                               zero, gq, dex, ck, False, BL, STAGES, PF, PA,
-                                               SA, SK)
+                                               zero, gq, dex, ck, False, BL, STAGES, PF, FS,
+                                               PA, SA, SK)
             tl.debug_barrier()
             delta, gq, dex, ck = _bwd_src_pass(3, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
                                                dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
                                                rcols, qk, keycol, r, eps, scale, g, g, lse,
-                                               delta, gq, dex, ck, False, BL, STAGES, PF, PA,
-                                               SA, SK)
+                                               delta, gq, dex, ck, False, BL, STAGES, PF, FS,
+                                               PA, SA, SK)
         else:
             # delta = sum_i a_i <g, v_i> = <g, out> (exact without a saved output). With
             # HAS_OUT, delta carries the output's rounding; grad_q is corrected after the
@@ -541,12 +574,13 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                                                    ks_tab, dv_tab, dk_tab, vref, kref, da_ptr,
                                                    cols, cmask, rcols, qk, keycol, r, eps,
                                                    scale, g, o, lse, zero, gq, dex, ck,
-                                                   False, BL, STAGES, PF, PA, SA, SK)
+                                                   False, BL, STAGES, PF, FS, PA, SA,
+                                                   SK)
             delta, gq, dex, ck = _bwd_src_pass(1, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
                                                dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
                                                rcols, qk, keycol, r, eps, scale, g, o, lse,
                                                delta, gq, dex, ck, HAS_OUT, BL, STAGES, PF,
-                                               PA, SA, SK)
+                                               FS, PA, SA, SK)
             if HAS_OUT:
                 gq += (scale * (delta - dex)) * ck
     if PROJECTED:
@@ -651,6 +685,15 @@ def _src_prefetch(backward: bool) -> int:
     return int(bool(TUNE.get("src_bwd_prefetch" if backward else "src_prefetch", 1)))
 
 
+def _src_fused_sums(backward: bool) -> int:
+    """FS of the source-tiled kernels (TUNE keys ``src_fused_sums`` / ``src_bwd_fused_sums``):
+    1 reduces every row sum of a sliced-key step (logit, key RMS and, in the backward,
+    <g, v_i>) in one multi-operand reduction: one cross-warp exchange per step instead of two
+    or three (sm_90a PTX: 3 instead of 6 barriers in the forward, 10 instead of 16 in the
+    backward, registers unchanged; ``tools/kernel_ptx.py``)."""
+    return int(bool(TUNE.get("src_bwd_fused_sums" if backward else "src_fused_sums", 1)))
+
+
 def _src_programs(T: int, dev: torch.device) -> int:
     """Persistent programs of the source-tiled backward (each writes one grad_q partial)."""
     if dev.type == "cuda":
@@ -659,16 +702,29 @@ def _src_programs(T: int, dev: torch.device) -> int:
     return max(1, min(T, 3))
 
 
-def _table(tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
-    """Device int64 tables of data pointers and row strides, copied without a host sync
-    (pinned staging buffer; PyTorch's host allocator keeps it until the copy is done)."""
-    dev = tensors[0].device
-    host = [[t.data_ptr() for t in tensors], [t.stride(0) for t in tensors]]
+def _tables(*groups: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
+    """Device int64 tables of data pointers and row strides, one (pointers, strides) pair per
+    group of tensors, all staged in one pinned buffer and copied in one transfer without a
+    host sync (PyTorch's host allocator keeps the buffer until the copy is done). Each
+    group starts on a 16-byte boundary, so a table's alignment (which Triton specialises
+    on) does not depend on the sizes of the groups before it."""
+    dev = next(t.device for g in groups for t in g)
+    ptrs: List[int] = []
+    strides: List[int] = []
+    starts = []
+    for g in groups:
+        pad = len(ptrs) % 2
+        ptrs += [0] * pad
+        strides += [0] * pad
+        starts.append(len(ptrs))
+        ptrs += [t.data_ptr() for t in g]
+        strides += [t.stride(0) for t in g]
     if dev.type == "cuda":
-        tab = torch.tensor(host, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+        tab = torch.tensor([ptrs, strides], dtype=torch.int64, pin_memory=True).to(
+            dev, non_blocking=True)
     else:
-        tab = torch.tensor(host, dtype=torch.int64)
-    return tab[0], tab[1]
+        tab = torch.tensor([ptrs, strides], dtype=torch.int64)
+    return [(tab[0, a:a + len(g)], tab[1, a:a + len(g)]) for a, g in zip(starts, groups)]
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
@@ -708,8 +764,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
     if T == 0:
         return out, lse
     bt, bd, br, warps = _tiles(d, r, projected, T)
-    v_tab, vs_tab = _table(vs)
-    k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
+    (v_tab, vs_tab), (k_tab, ks_tab) = _tables(vs, ks) if projected else _tables(vs) * 2
     kref = ks[0] if projected else vs[0]
     if _impl(d) == "src":
         bl, warps, stages = _src_tiles(d, len(vs), backward=False)
@@ -717,6 +772,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
             v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, PF=_src_prefetch(False),
+            FS=_src_fused_sums(False),
             **_alignment(vs, ks, d, r, bd), num_warps=warps)
         return out, lse
     _fwd_kernel[(triton.cdiv(T, bt),)](
@@ -737,10 +793,11 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
         return torch.zeros_like(query), [dv.zero_() for dv in dvs], [dk.zero_() for dk in dks]
     g = _rows(grad_out, d)
     bt, bd, br, warps = _tiles(d, r, projected, T)
-    v_tab, vs_tab = _table(vs)
-    dv_tab, _ = _table(dvs)
-    k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
-    dk_tab = _table(dks)[0] if projected else dv_tab
+    if projected:
+        (v_tab, vs_tab), (dv_tab, _), (k_tab, ks_tab), (dk_tab, _) = _tables(vs, dvs, ks, dks)
+    else:
+        (v_tab, vs_tab), (dv_tab, _) = _tables(vs, dvs)
+        k_tab, ks_tab, dk_tab = v_tab, vs_tab, dv_tab
     kref = ks[0] if projected else vs[0]
     # projected keys need no output: delta is exact after one pass over the values (da: the
     # <g, v_i> scratch of projected keys; a placeholder otherwise)
@@ -755,8 +812,8 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             query, lse, g, g.stride(0), out if has_out else g, da, parts,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
-            PF=_src_prefetch(True), **_alignment(vs + dvs, ks + dks, d, r, bd),
-            num_warps=warps)
+            PF=_src_prefetch(True), FS=_src_fused_sums(True),
+            **_alignment(vs + dvs, ks + dks, d, r, bd), num_warps=warps)
         return parts.sum(0), dvs, dks
     n_blocks = triton.cdiv(T, bt)
     if dev.type == "cuda":

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lrattn_kernels import depth_read as _dr
-from lrattn_kernels.depth_read import _check_envelope, _load_value, _rows, _table
+from lrattn_kernels.depth_read import _check_envelope, _load_value, _rows, _tables
 
 # fp32 accumulator elements per program (BT * BK * BD); d=2048 with K<=8 fits one group
 MAX_TILE = 16384
@@ -423,9 +423,11 @@ def _forward(vs, ks, queries, eps, scale, split):
     if T == 0:
         return outs, lse
     projected = len(ks) > 0
-    v_tab, vs_tab = _table(vs)
-    k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
-    o_tab, _ = _table(list(outs))
+    if projected:
+        (v_tab, vs_tab), (k_tab, ks_tab), (o_tab, _) = _tables(vs, ks, list(outs))
+    else:
+        (v_tab, vs_tab), (o_tab, _) = _tables(vs, list(outs))
+        k_tab, ks_tab = v_tab, vs_tab
     if _impl() == 2:
         bt, _, bd, br, warps = _tiles2d(d, r, K, T)
         _fwd2d_kernel[(triton.cdiv(T, bt),)](
@@ -456,11 +458,12 @@ def _backward(vs, ks, queries, lse, grads, dlse, eps, scale):
     n_blocks = triton.cdiv(T, bt)
     nprog = _programs(n_blocks, dev)
     parts = _dr._alloc((nprog, K, r), torch.float32, dev)
-    v_tab, vs_tab = _table(vs)
-    k_tab, ks_tab = _table(ks) if projected else (v_tab, vs_tab)
-    dv_tab, _ = _table(dvs)
-    dk_tab = _table(dks)[0] if projected else dv_tab
-    g_tab, gs_tab = _table(gs)
+    if projected:
+        (v_tab, vs_tab), (k_tab, ks_tab), (dv_tab, _), (dk_tab, _), (g_tab, gs_tab) = \
+            _tables(vs, ks, dvs, dks, gs)
+    else:
+        (v_tab, vs_tab), (dv_tab, _), (g_tab, gs_tab) = _tables(vs, dvs, gs)
+        k_tab, ks_tab, dk_tab = v_tab, vs_tab, dv_tab
     kref = ks[0] if projected else vs[0]
     if two_d:
         _bwd2d_kernel[(nprog,)](

@@ -240,17 +240,18 @@ def test_parity_large_bf16(name, save_output):
 @pytest.mark.parametrize("projected", [False, True])
 def test_source_tiles_and_stages(projected, impl, monkeypatch):
     """Source-tiled kernels at other tiles (BL = 1, 2, 4, 8 sources per step, 1-3 pipeline
-    stages, few persistent backward programs, hand pipelining on or off) meet the same
-    table."""
+    stages, few persistent backward programs, hand pipelining on or off, row sums fused or
+    separate) meet the same table."""
     if impl != 1:
         pytest.skip("source-tiled kernels only")
     T, d, r, S, _ = STRESS["projected" if projected else "sliced"]
-    for bl, stages, ctas, pf in ((1, 1, 1, 1), (2, 3, 2, 0), (8, 2, 8, 1), (4, 2, 4, 0),
-                                 (4, 1, 3, 1)):
+    for bl, stages, ctas, pf, fs in ((1, 1, 1, 1, 0), (2, 3, 2, 0, 1), (8, 2, 8, 1, 1),
+                                     (4, 2, 4, 0, 0), (4, 1, 3, 1, 1)):
         for pre in ("src_", "src_bwd_"):
             monkeypatch.setitem(kdr.TUNE, pre + "sources", bl)
             monkeypatch.setitem(kdr.TUNE, pre + "stages", stages)
             monkeypatch.setitem(kdr.TUNE, pre + "prefetch", pf)
+            monkeypatch.setitem(kdr.TUNE, pre + "fused_sums", fs)
         monkeypatch.setitem(kdr.TUNE, "src_ctas_per_sm", ctas)
         for dtype in (torch.float32, torch.bfloat16):
             check(T, d, r, S + 5, dtype, projected)
@@ -283,3 +284,18 @@ def test_alignment_facts():
     assert kdr._alignment([base], [], 84, 84, 128)["SA"] == 1  # d not a multiple of 8
     keys = [torch.zeros(4, 24, dtype=torch.float32)]
     assert kdr._alignment([base], keys, 80, 24, 128) == {"PA": 1, "SA": 8, "SK": 4}  # no hints
+
+
+def test_pointer_tables_share_one_buffer():
+    """The pointer tables of one call are staged in one buffer, one (pointers, strides) pair
+    per group, each group starting on a 16-byte boundary."""
+    a = [torch.zeros(3, 8), torch.zeros(5, 8)[:, :4]]
+    b = [torch.zeros(2, 6)]
+    c = [torch.zeros(4, 2), torch.zeros(4, 2), torch.zeros(4, 2)]
+    (pa, sa), (pb, sb), (pc, sc) = kdr._tables(a, b, c)
+    assert pa.tolist() == [t.data_ptr() for t in a] and sa.tolist() == [8, 8]
+    assert pb.tolist() == [b[0].data_ptr()] and sb.tolist() == [6]
+    assert pc.tolist() == [t.data_ptr() for t in c] and sc.tolist() == [2, 2, 2]
+    for p in (pa, pb, pc):
+        assert p.data_ptr() % 16 == 0
+    assert pa.untyped_storage().data_ptr() == pc.untyped_storage().data_ptr()
