@@ -8,8 +8,11 @@ or element by element).
 
 ``--no-align`` compiles without the alignment facts the host passes when every source
 pointer and row stride allows 16-byte vectors (``lrattn_kernels.depth_read._alignment``).
-``--no-prefetch`` compiles the source loops without the hand pipelining (TUNE
-``src_prefetch`` / ``src_bwd_prefetch`` = 0). Uses the ``ptxas`` bundled with Triton.
+``bar`` counts the barriers in the PTX (each cross-warp reduction costs one or two).
+``--no-fused-sums`` compiles the sliced-key row sums as separate reductions (TUNE
+``src_fused_sums`` = 0). ``--no-prefetch`` compiles the source loops without the hand
+pipelining (TUNE ``src_prefetch`` / ``src_bwd_prefetch`` = 0). Uses the ``ptxas`` bundled
+with Triton.
 """
 
 from __future__ import annotations
@@ -77,12 +80,14 @@ def main():
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--no-align", action="store_true", help="without the 16-byte alignment facts")
+    ap.add_argument("--no-fused-sums", action="store_true",
+                    help="row sums as separate reductions")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
     args = ap.parse_args()
     pa, sa = (1, 1) if args.no_align else (16, 8)
     print(f"{'kernel':>4} {'d':>5} {'warps':>5} | {'regs':>4} {'progs/SM':>8} {'spill B':>7} "
-          f"{'smem B':>6} | global loads: 16-byte / 2-byte, stores: 16-byte / other")
+          f"{'smem B':>6} {'bar':>3} | global loads: 16-byte / 2-byte, stores: 16-byte / other")
     for d in args.widths:
         bd = triton.next_power_of_2(d)
         for warps in args.warps:
@@ -91,7 +96,8 @@ def main():
                      dict(BL=kdr._src_tiles(d, 9, backward=False)[0])),
                     ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
                      dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True))):
-                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=1, PF=int(not args.no_prefetch), PA=pa, SA=sa, SK=1,
+                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=1, PF=int(not args.no_prefetch),
+                          FS=int(not args.no_fused_sums), PA=pa, SA=sa, SK=1,
                           **extra)
                 ptx = compile_ptx(fn, fargs, cs, warps, args.arch)
                 regs, spill, smem = ptxas_report(ptx, args.arch)
@@ -101,7 +107,8 @@ def main():
                 ls = len(re.findall(r"ld\.global(?:\.\w+)*\.b16", ptx))
                 sv = len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx))
                 so = len(re.findall(r"st\.global", ptx)) - sv
-                print(f"{name:>4} {d:>5} {warps:>5} | {regs:>4} {progs:>8} {spill:>7} {smem:>6} | "
+                bars = len(re.findall(r"bar\.sync", ptx))
+                print(f"{name:>4} {d:>5} {warps:>5} | {regs:>4} {progs:>8} {spill:>7} {smem:>6} {bars:>3} | "
                       f"{lv:>4} / {ls:<4} {sv:>4} / {so}")
 
 
