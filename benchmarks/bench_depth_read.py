@@ -2,8 +2,10 @@
 
 For every shape it checks correctness first (every output and gradient of the fused op
 against the reference backend; no number is reported on a red check), then times fwd and
-fwd+bwd with ``triton.testing.do_bench`` (median), against the device-copy bandwidth
-measured in the same run. Minimal bytes: fwd (S+1)*T*d*2, fwd+bwd (3S+2)*T*d*2, plus the
+fwd+bwd of all backends with ``triton.testing.do_bench`` in interleaved rounds (median of
+the per-round medians, ``--rounds``), and also their GPU busy time per call (kernel and copy
+durations from a ``torch.profiler`` trace; at d=2048 the host, not the GPU, sets the wall
+time of a fwd+bwd call), against the device-copy bandwidth measured in the same run. Minimal bytes: fwd (S+1)*T*d*2, fwd+bwd (3S+2)*T*d*2, plus the
 projected keys (S*T*r*2 forward, 3*S*T*r*2 forward+backward).
 
 Peers in the same run: the torch reference backend, ``torch.compile(depth_read_naive)``
