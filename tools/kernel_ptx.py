@@ -5,14 +5,18 @@ or element by element).
 
     python tools/kernel_ptx.py                         # bf16, d = 2048 and 4096, sm_90a
     python tools/kernel_ptx.py --widths 2048 --warps 4 8 --no-align --no-prefetch
+    python tools/kernel_ptx.py --warps 4 --no-prefetch --stages 2   # Triton's pipeliner
 
 ``--no-align`` compiles without the alignment facts the host passes when every source
 pointer and row stride allows 16-byte vectors (``lrattn_kernels.depth_read._alignment``).
 ``bar`` counts the barriers in the PTX (each cross-warp reduction costs one or two).
 ``--no-fused-sums`` compiles the sliced-key row sums as separate reductions (TUNE
 ``src_fused_sums`` = 0). ``--no-prefetch`` compiles the source loops without the hand
-pipelining (TUNE ``src_prefetch`` / ``src_bwd_prefetch`` = 0). Uses the ``ptxas`` bundled
-with Triton.
+pipelining (TUNE ``src_prefetch`` / ``src_bwd_prefetch`` = 0); ``--stages N`` then hands the source loops to
+Triton's pipeliner (``src_stages``), and the ``async`` column shows what it made of them:
+asynchronous copies and how many waits for all outstanding copies (``cp.async.wait_group 0``)
+they need: it reads the table entries asynchronously too and must wait for everything in
+flight before it can form the next row's address. Uses the ``ptxas`` bundled with Triton.
 """
 
 from __future__ import annotations
@@ -82,12 +86,15 @@ def main():
     ap.add_argument("--no-align", action="store_true", help="without the 16-byte alignment facts")
     ap.add_argument("--no-fused-sums", action="store_true",
                     help="row sums as separate reductions")
+    ap.add_argument("--stages", type=int, default=1,
+                    help="Triton pipeline stages of the source loops (with --no-prefetch)")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
     args = ap.parse_args()
     pa, sa = (1, 1) if args.no_align else (16, 8)
     print(f"{'kernel':>4} {'d':>5} {'warps':>5} | {'regs':>4} {'progs/SM':>8} {'spill B':>7} "
-          f"{'smem B':>6} {'bar':>3} | global loads: 16-byte / 2-byte, stores: 16-byte / other")
+          f"{'smem B':>6} {'bar':>3} | global loads: 16-byte / 2-byte, stores: 16-byte / other | "
+          f"async: cp.async / wait-all")
     for d in args.widths:
         bd = triton.next_power_of_2(d)
         for warps in args.warps:
@@ -96,9 +103,9 @@ def main():
                      dict(BL=kdr._src_tiles(d, 9, backward=False)[0])),
                     ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
                      dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True))):
-                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=1, PF=int(not args.no_prefetch),
-                          FS=int(not args.no_fused_sums), PA=pa, SA=sa, SK=1,
-                          **extra)
+                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=args.stages,
+                          PF=int(not args.no_prefetch), FS=int(not args.no_fused_sums),
+                          PA=pa, SA=sa, SK=1, **extra)
                 ptx = compile_ptx(fn, fargs, cs, warps, args.arch)
                 regs, spill, smem = ptxas_report(ptx, args.arch)
                 progs = min(REGISTERS_PER_SM // max(1, regs * 32 * warps),
@@ -108,8 +115,10 @@ def main():
                 sv = len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx))
                 so = len(re.findall(r"st\.global", ptx)) - sv
                 bars = len(re.findall(r"bar\.sync", ptx))
+                ca = len(re.findall(r"cp\.async\.\w+\.shared", ptx))
+                wait_all = len(re.findall(r"cp\.async\.wait_group\s+0;", ptx))
                 print(f"{name:>4} {d:>5} {warps:>5} | {regs:>4} {progs:>8} {spill:>7} {smem:>6} {bars:>3} | "
-                      f"{lv:>4} / {ls:<4} {sv:>4} / {so}")
+                      f"{lv:>4} / {ls:<4} {sv:>4} / {so:<5} | {ca:>4} / {wait_all}")
 
 
 if __name__ == "__main__":
