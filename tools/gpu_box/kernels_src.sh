@@ -6,15 +6,18 @@
 #   GIT_SHA=<sha> bash tools/gpu_box/pack.sh tools/gpu_box/kernels_src.sh [bench args...]
 # (carry .whl/ with megatron-core and, for the peers, fla-core and fast-attnres wheels)
 set -uo pipefail
+export PYTHONWARNINGS=ignore
 HEADER="source-tiled depth-read kernels" source "$(dirname "$0")/common.sh"
-python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "large" 2>&1 | tail -15 \
-    | tee -a "$OUT/log" || echo "KERNEL TESTS FAILED" | tee -a "$OUT/log"
+PT=(python3 -m pytest -q -p no:cacheprovider -rf)
+log "== large bf16 parity tests: both kernel families, phase-1 reads and merges"
+timeout 150 "${PT[@]}" tests/test_kernels.py tests/test_two_phase_ops.py -k "large" 2>&1 \
+    | tail -15 | tee -a "$OUT/log"
 clocks() {
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
         --format=csv,noheader 2>&1 | sed "s/^/clocks (sm, mem, power, temp, events) $1: /" \
         | tee -a "$OUT/log"
 }
 clocks before
-python3 benchmarks/bench_depth_read.py --csv "$OUT/depth_read.csv" --src-sweep "$@" 2>&1 \
-    | tee -a "$OUT/log"
+timeout "${SWEEP_S:-400}" python3 benchmarks/bench_depth_read.py --csv "$OUT/depth_read.csv" \
+    --src-sweep "$@" 2>&1 | tee -a "$OUT/log"
 clocks after
