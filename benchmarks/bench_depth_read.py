@@ -35,6 +35,7 @@ import argparse
 import csv
 import datetime
 import functools
+import math
 import os
 import statistics
 import subprocess
@@ -335,11 +336,23 @@ def _with_tune(settings, fn, *args):
     return fn(*args)
 
 
+def _sweep_times(wall, gpu, nbytes, copy_tbps):
+    """'wall W ms P% | gpu G ms Q%' for a sweep line (% of the copy bandwidth)."""
+    pct = lambda ms: 100 * nbytes / ms / 1e9 / copy_tbps  # noqa: E731
+    return f"wall {wall:.3f} ms {pct(wall):.1f}% | gpu {gpu:.3f} ms {pct(gpu):.1f}%"
+
+
+def _rank(wall, gpu):
+    """Sort key of sweep candidates: GPU busy time where it was measured (the wall time of a
+    d=2048 call is set by the host), else wall time."""
+    return lambda n: gpu[n] if math.isfinite(gpu[n]) else wall[n]
+
+
 def src_sweep(T, copy_tbps, widths=(2048, 4096)):
     """Sweep the source-tiled kernels at S=9, sliced r=d/4: forward (hand pipelining on or
     off, sources per step, warps), then backward (pipelining, sources per step, programs per
     SM) in both backward modes (saved output / recompute), each group timed in interleaved
-    rounds (bench_rounds); keep the fastest forward and saved-output backward settings per
+    rounds (bench_rounds) and by GPU busy time (device_ms); keep the fastest forward and saved-output backward settings per
     width in ``kdr.TUNE`` for the table that follows (printed, so the run says which
     settings produced its rows). Returns {d: settings}."""
     S = 9
@@ -368,10 +381,11 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
                                                 vals, query))
         with torch.no_grad():
             ms = bench_rounds({n: f for n, (_, f) in fwd.items()}, rep=100)
+            gpu = {n: device_ms(f) for n, (_, f) in fwd.items()}
         for n, t in ms.items():
-            print(f"src sweep fwd d={d} {n}: {t:.3f} ms "
-                  f"{100 * fwd_bytes / t / 1e9 / copy_tbps:.1f}%", flush=True)
-        fbest = fwd[min(ms, key=ms.get)][0]
+            print(f"src sweep fwd d={d} {n}: {_sweep_times(t, gpu[n], fwd_bytes, copy_tbps)}",
+                  flush=True)
+        fbest = fwd[min(ms, key=_rank(ms, gpu))][0]
         bwd = {}
         for save in (True, False):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
@@ -392,11 +406,12 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
                 bwd[name] = (cfg, save, functools.partial(
                     _with_tune, tune, fwd_bwd, fn, vals, query, None, grad))
         ms = bench_rounds({n: f for n, (_, _, f) in bwd.items()}, rep=150)
+        gpu = {n: device_ms(f) for n, (_, _, f) in bwd.items()}
         for n, t in ms.items():
-            print(f"src sweep fwd+bwd d={d} {n}: {t:.3f} ms "
-                  f"{100 * fb_bytes / t / 1e9 / copy_tbps:.1f}%", flush=True)
+            print(f"src sweep fwd+bwd d={d} {n}: {_sweep_times(t, gpu[n], fb_bytes, copy_tbps)}",
+                  flush=True)
         saved = {n: t for n, t in ms.items() if bwd[n][1]}
-        best[d] = dict(fbest, **bwd[min(saved, key=saved.get)][0])
+        best[d] = dict(fbest, **bwd[min(saved, key=_rank(saved, gpu))][0])
         print(f"src sweep best d={d}: {best[d]}", flush=True)
         del vals, grad, ref
     kdr.TUNE.clear()
@@ -435,6 +450,60 @@ def layout_probe(T, copy_tbps, d=2048, S=9):
             print(f"layout d={d} r={r} {n}: fwd+bwd {t:.3f} ms "
                   f"{100 * fb_bytes / t / 1e9 / copy_tbps:.1f}%", flush=True)
         del vals, grad, layouts, fns
+
+
+RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+                 "cudaMemcpy", "cudaHostAlloc", "cudaMalloc", "cudaLaunchKernel",
+                 "cuLaunchKernel", "cuLaunchKernelEx", "cudaEventQuery", "cudaEventRecord")
+
+
+def host_probe(T, copy_tbps, d=2048, S=9, iters=20):
+    """Where the wall time of one fwd+bwd call goes, ours and the peers side by side: wall
+    (CUDA events, as in the table), GPU busy time, host time, and the CUDA runtime calls the
+    host makes per call (a synchronising call such as cudaStreamSynchronize, or a copy from
+    pageable memory, stalls the host until the GPU has drained, so host and GPU time add up
+    instead of overlapping). Then the Python profile of our call."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+    if DEVICE != "cuda":
+        print("host probe: needs a CUDA GPU, skipped", flush=True)
+        return
+    for r in (d // 4, d):
+        vals, query, _, grad = make(T, d, r, S, False, seed=7)
+        fb_bytes = (3 * S + 2) * T * d * 2
+        for name, fn in backends(False).items():
+            if name == "torch_ref" or fn(vals, query, None) is None:
+                continue
+            call = functools.partial(fwd_bwd, fn, vals, query, None, grad)
+            wall, gpu, host = bench(call, rep=150), device_ms(call), host_ms(call)
+            call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(iters):
+                    call()
+                torch.cuda.synchronize()
+            counts = {e.key: (e.count / iters, e.cpu_time_total / iters)
+                      for e in prof.key_averages() if e.key in RUNTIME_CALLS}
+            calls = ", ".join(f"{k} {n:g}x {us:.0f}us" for k, (n, us) in sorted(counts.items()))
+            pct = lambda ms: 100 * fb_bytes / ms / 1e9 / copy_tbps  # noqa: E731
+            print(f"host probe d={d} r={r} {name}: wall {wall:.3f} ms ({pct(wall):.1f}%) "
+                  f"gpu {gpu:.3f} ms ({pct(gpu):.1f}%) host {host:.3f} ms | per call: {calls}",
+                  flush=True)
+            if name == "triton":
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(iters):
+                    call()
+                pr.disable()
+                torch.cuda.synchronize()
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(12)
+                print("\n".join(ln for ln in buf.getvalue().splitlines()[6:] if ln.strip()),
+                      flush=True)
+        del vals, grad
 
 
 def prefetch_ab(T, copy_tbps):
@@ -562,6 +631,9 @@ def main():
                     help="time the kernels with and without next-source prefetch first")
     ap.add_argument("--layout-probe", action="store_true",
                     help="fwd+bwd with the sources at other places in memory (d=2048, S=9)")
+    ap.add_argument("--host-probe", action="store_true",
+                    help="where a fwd+bwd call's wall time goes (d=2048, S=9): wall, GPU and "
+                         "host time and the CUDA runtime calls per call, ours and the peers")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="interleaved timing rounds per candidate (median taken)")
     ap.add_argument("--no-table", action="store_true", help="sweeps and probes only")
@@ -603,6 +675,8 @@ def main():
         prefetch_ab(T, copy_tbps)
     if args.layout_probe:
         layout_probe(T, copy_tbps)
+    if args.host_probe:
+        host_probe(T, copy_tbps)
     if args.block:
         run_blocks(args, T, copy_tbps, meta)
         return
