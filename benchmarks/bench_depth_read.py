@@ -364,14 +364,14 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
         ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
         fwd = {}
-        # (hand pipelining, sources per step, warps, fused row sums); the first is the
-        # default, the fifth the default before hand pipelining
-        for pf, bl, warps, fs in ((1, 1, 4, 1), (1, 1, 4, 0), (1, 2, 4, 1), (1, 2, 4, 0),
-                                  (0, 2, 4, 0), (0, 1, 4, 1), (1, 1, 8, 1), (1, 4, 4, 1)):
+        # (hand pipelining, sources per step, warps, fused row sums, register cap); the
+        # first is the default
+        for pf, bl, warps, fs, cap in ((1, 1, 4, 1, 0), (1, 1, 4, 0, 0), (1, 1, 8, 1, 0),
+                                       (1, 2, 4, 1, 0), (0, 1, 4, 1, 0), (1, 1, 4, 1, 128)):
             cfg = dict(src_sources=bl, src_warps=warps, src_stages=1, src_prefetch=pf,
-                       src_fused_sums=fs)
+                       src_fused_sums=fs, **({"src_maxnreg": cap} if cap else {}))
             tune = dict(base, impl=1, **cfg)
-            name = f"prefetch={pf} BL={bl} warps={warps} fused_sums={fs}"
+            name = f"prefetch={pf} BL={bl} warps={warps} fused_sums={fs} maxnreg={cap or '-'}"
             with torch.no_grad():
                 err = rel_rms(_with_tune(tune, kdr.depth_read_triton, vals, query), ref[0])
             if not err <= TOL_BF16:
@@ -387,24 +387,29 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
                   flush=True)
         fbest = fwd[min(ms, key=_rank(ms, gpu))][0]
         bwd = {}
-        for save in (True, False):
+        # (saved output, hand pipelining, sources per step, warps, programs per SM, fused row
+        # sums, register cap); the first is the default; the forward keeps the best setting
+        # above. A register cap buys programs per SM with spills (tools/kernel_ptx.py
+        # --maxnreg: at d=2048, 4 warps, 159 -> 128 registers is 3 -> 4 programs, 32 bytes
+        # spilled; 96 is 5 programs, 200 bytes).
+        for save, pf, bl, warps, ctas, fs, cap in (
+                (True, 1, 1, 4, 8, 1, 0), (True, 1, 1, 4, 8, 0, 0), (True, 1, 1, 4, 8, 1, 128),
+                (True, 1, 1, 4, 8, 1, 96), (True, 1, 1, 4, 16, 1, 128), (True, 1, 1, 8, 8, 1, 0),
+                (True, 1, 1, 8, 8, 1, 128), (True, 1, 2, 4, 8, 1, 0),
+                (False, 1, 1, 4, 8, 1, 0), (False, 1, 1, 4, 8, 1, 128)):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
-            # (hand pipelining, sources per step, programs per SM, fused row sums); the
-            # first is the default, the fifth the default before hand pipelining; the
-            # forward keeps the best setting above
-            for pf, bl, ctas, fs in ((1, 1, 8, 1), (1, 1, 8, 0), (1, 2, 8, 1), (1, 1, 4, 1),
-                                     (0, 1, 8, 0), (1, 1, 16, 1)):
-                cfg = dict(src_bwd_sources=bl, src_bwd_warps=4, src_bwd_stages=1,
-                           src_bwd_prefetch=pf, src_ctas_per_sm=ctas, src_bwd_fused_sums=fs)
-                tune = dict(base, impl=1, **fbest, **cfg)
-                name = (f"save_output={save} prefetch={pf} BL={bl} ctas/sm={ctas} "
-                        f"fused_sums={fs}")
-                err = _with_tune(tune, check, fn, vals, query, None, grad, ref)
-                if not err <= TOL_BF16:
-                    print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
-                    continue
-                bwd[name] = (cfg, save, functools.partial(
-                    _with_tune, tune, fwd_bwd, fn, vals, query, None, grad))
+            cfg = dict(src_bwd_sources=bl, src_bwd_warps=warps, src_bwd_stages=1,
+                       src_bwd_prefetch=pf, src_ctas_per_sm=ctas, src_bwd_fused_sums=fs,
+                       **({"src_bwd_maxnreg": cap} if cap else {}))
+            tune = dict(base, impl=1, **fbest, **cfg)
+            name = (f"save_output={save} prefetch={pf} BL={bl} warps={warps} "
+                    f"ctas/sm={ctas} fused_sums={fs} maxnreg={cap or '-'}")
+            err = _with_tune(tune, check, fn, vals, query, None, grad, ref)
+            if not err <= TOL_BF16:
+                print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
+                continue
+            bwd[name] = (cfg, save, functools.partial(
+                _with_tune, tune, fwd_bwd, fn, vals, query, None, grad))
         ms = bench_rounds({n: f for n, (_, _, f) in bwd.items()}, rep=150)
         gpu = {n: device_ms(f) for n, (_, _, f) in bwd.items()}
         for n, t in ms.items():

@@ -694,6 +694,16 @@ def _src_fused_sums(backward: bool) -> int:
     return int(bool(TUNE.get("src_bwd_fused_sums" if backward else "src_fused_sums", 1)))
 
 
+def _src_launch(backward: bool) -> Dict[str, int]:
+    """Extra launch options of the source-tiled kernels: ``maxnreg`` (a register cap per
+    thread, TUNE keys ``src_maxnreg`` / ``src_bwd_maxnreg``; unset by default). The backward
+    holds a whole token row several times over in fp32 registers (159 per thread at d=2048,
+    4 warps: 3 programs per SM, so 3 rows in flight); a cap trades spills for programs per
+    SM (``tools/kernel_ptx.py --maxnreg``). Left out under the interpreter."""
+    cap = TUNE.get("src_bwd_maxnreg" if backward else "src_maxnreg")
+    return {} if cap is None or _interpreting() else {"maxnreg": int(cap)}
+
+
 def _src_programs(T: int, dev: torch.device) -> int:
     """Persistent programs of the source-tiled backward (each writes one grad_q partial)."""
     if dev.type == "cuda":
@@ -773,7 +783,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, PF=_src_prefetch(False),
             FS=_src_fused_sums(False),
-            **_alignment(vs, ks, d, r, bd), num_warps=warps)
+            **_alignment(vs, ks, d, r, bd), **_src_launch(False), num_warps=warps)
         return out, lse
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
@@ -813,7 +823,7 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
             PF=_src_prefetch(True), FS=_src_fused_sums(True),
-            **_alignment(vs + dvs, ks + dks, d, r, bd), num_warps=warps)
+            **_alignment(vs + dvs, ks + dks, d, r, bd), **_src_launch(True), num_warps=warps)
         return parts.sum(0), dvs, dks
     n_blocks = triton.cdiv(T, bt)
     if dev.type == "cuda":

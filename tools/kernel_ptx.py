@@ -50,7 +50,7 @@ REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 
 
-def compile_ptx(fn, args, constexprs, warps, arch):
+def compile_ptx(fn, args, constexprs, warps, arch, maxnreg=None):
     sig = dict(args)
     sig.update({k: "constexpr" for k in constexprs})
     # pointers and the widths are multiples of 16, as Triton's launcher would specialise them
@@ -59,7 +59,7 @@ def compile_ptx(fn, args, constexprs, warps, arch):
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": warps}).asm["ptx"]
+                          options={"num_warps": warps, "maxnreg": maxnreg}).asm["ptx"]
 
 
 def ptxas_report(ptx, arch):
@@ -90,6 +90,8 @@ def main():
                     help="Triton pipeline stages of the source loops (with --no-prefetch)")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
+    ap.add_argument("--maxnreg", type=int, default=None,
+                    help="register cap per thread of the backward (TUNE src_bwd_maxnreg)")
     args = ap.parse_args()
     pa, sa = (1, 1) if args.no_align else (16, 8)
     print(f"{'kernel':>4} {'d':>5} {'warps':>5} | {'regs':>4} {'progs/SM':>8} {'spill B':>7} "
@@ -106,7 +108,8 @@ def main():
                 cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=args.stages,
                           PF=int(not args.no_prefetch), FS=int(not args.no_fused_sums),
                           PA=pa, SA=sa, SK=1, **extra)
-                ptx = compile_ptx(fn, fargs, cs, warps, args.arch)
+                ptx = compile_ptx(fn, fargs, cs, warps, args.arch,
+                                  args.maxnreg if name == "bwd" else None)
                 regs, spill, smem = ptxas_report(ptx, args.arch)
                 progs = min(REGISTERS_PER_SM // max(1, regs * 32 * warps),
                             MAX_WARPS_PER_SM // warps)
