@@ -364,12 +364,12 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
         ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
         fwd = {}
-        # (hand pipelining, sources per step, warps, fused row sums, register cap); the
-        # first is the default
+        # (hand pipelining, sources per step, warps, fused row sums, register cap, 0 = none);
+        # the default at d=2048 is the first, at d=4096 the last (kdr.SRC_MAXNREG)
         for pf, bl, warps, fs, cap in ((1, 1, 4, 1, 0), (1, 1, 4, 0, 0), (1, 1, 8, 1, 0),
                                        (1, 2, 4, 1, 0), (0, 1, 4, 1, 0), (1, 1, 4, 1, 128)):
             cfg = dict(src_sources=bl, src_warps=warps, src_stages=1, src_prefetch=pf,
-                       src_fused_sums=fs, **({"src_maxnreg": cap} if cap else {}))
+                       src_fused_sums=fs, src_maxnreg=cap)
             tune = dict(base, impl=1, **cfg)
             name = f"prefetch={pf} BL={bl} warps={warps} fused_sums={fs} maxnreg={cap or '-'}"
             with torch.no_grad():
@@ -388,8 +388,8 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fbest = fwd[min(ms, key=_rank(ms, gpu))][0]
         bwd = {}
         # (saved output, hand pipelining, sources per step, warps, programs per SM, fused row
-        # sums, register cap); the first is the default; the forward keeps the best setting
-        # above. A register cap buys programs per SM with spills (tools/kernel_ptx.py
+        # sums, register cap, 0 = none); the default at d=2048 is the third, at d=4096 the
+        # first (kdr.SRC_MAXNREG); the forward keeps the best setting above. A register cap buys programs per SM with spills (tools/kernel_ptx.py
         # --maxnreg: at d=2048, 4 warps, 159 -> 128 registers is 3 -> 4 programs, 32 bytes
         # spilled; 96 is 5 programs, 200 bytes).
         for save, pf, bl, warps, ctas, fs, cap in (
@@ -400,7 +400,7 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
             cfg = dict(src_bwd_sources=bl, src_bwd_warps=warps, src_bwd_stages=1,
                        src_bwd_prefetch=pf, src_ctas_per_sm=ctas, src_bwd_fused_sums=fs,
-                       **({"src_bwd_maxnreg": cap} if cap else {}))
+                       src_bwd_maxnreg=cap)
             tune = dict(base, impl=1, **fbest, **cfg)
             name = (f"save_output={save} prefetch={pf} BL={bl} warps={warps} "
                     f"ctas/sm={ctas} fused_sums={fs} maxnreg={cap or '-'}")

@@ -694,14 +694,27 @@ def _src_fused_sums(backward: bool) -> int:
     return int(bool(TUNE.get("src_bwd_fused_sums" if backward else "src_fused_sums", 1)))
 
 
-def _src_launch(backward: bool) -> Dict[str, int]:
-    """Extra launch options of the source-tiled kernels: ``maxnreg`` (a register cap per
-    thread, TUNE keys ``src_maxnreg`` / ``src_bwd_maxnreg``; unset by default). The backward
-    holds a whole token row several times over in fp32 registers (159 per thread at d=2048,
-    4 warps: 3 programs per SM, so 3 rows in flight); a cap trades spills for programs per
-    SM (``tools/kernel_ptx.py --maxnreg``). Left out under the interpreter."""
-    cap = TUNE.get("src_bwd_maxnreg" if backward else "src_maxnreg")
-    return {} if cap is None or _interpreting() else {"maxnreg": int(cap)}
+# Register caps per thread of the source-tiled kernels by padded width (H200 sweep,
+# benchmarks/results/kernels_maxnreg_sweep_table_2026-12-01.log, S=9, sliced r=d/4, GPU busy
+# time). The kernels hold a whole token row several times over in fp32 registers, so the
+# register count sets the programs per SM and with it the rows in flight: the backward at
+# d=2048 (4 warps) needs 159 registers, 3 programs per SM; capped at 128 it runs 4 (32
+# bytes spilled) and fwd+bwd went from 66.3% to 74.5% of copy bandwidth. The forward at
+# d=4096 needs 149, 3 programs; capped, 4, and the forward went from 78.9% to 90.2%. The
+# same cap on the d=4096 backward (254 registers, 812 bytes spilled) halved its speed, and
+# 96 at d=2048 (200 bytes spilled) lost 10 points: other widths stay uncapped.
+SRC_MAXNREG = {False: {4096: 128}, True: {2048: 128}}
+
+
+def _src_launch(d: int, warps: int, backward: bool) -> Dict[str, int]:
+    """Extra launch options of the source-tiled kernels: ``maxnreg``, a register cap per
+    thread (``SRC_MAXNREG`` at the default 4 warps; TUNE keys ``src_maxnreg`` /
+    ``src_bwd_maxnreg`` override it, 0 = no cap; ``tools/kernel_ptx.py --maxnreg`` shows
+    registers, spills and programs per SM). Left out under the interpreter."""
+    key = "src_bwd_maxnreg" if backward else "src_maxnreg"
+    default = SRC_MAXNREG[backward].get(triton.next_power_of_2(d)) if warps == 4 else None
+    cap = TUNE.get(key, default)
+    return {} if not cap or _interpreting() else {"maxnreg": int(cap)}
 
 
 def _src_programs(T: int, dev: torch.device) -> int:
@@ -783,7 +796,7 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, BL=bl, BD=bd, BR=br, STAGES=stages, PF=_src_prefetch(False),
             FS=_src_fused_sums(False),
-            **_alignment(vs, ks, d, r, bd), **_src_launch(False), num_warps=warps)
+            **_alignment(vs, ks, d, r, bd), **_src_launch(d, warps, False), num_warps=warps)
         return out, lse
     _fwd_kernel[(triton.cdiv(T, bt),)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
@@ -823,7 +836,8 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
             PF=_src_prefetch(True), FS=_src_fused_sums(True),
-            **_alignment(vs + dvs, ks + dks, d, r, bd), **_src_launch(True), num_warps=warps)
+            **_alignment(vs + dvs, ks + dks, d, r, bd), **_src_launch(d, warps, True),
+            num_warps=warps)
         return parts.sum(0), dvs, dks
     n_blocks = triton.cdiv(T, bt)
     if dev.type == "cuda":

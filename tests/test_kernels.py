@@ -270,6 +270,27 @@ def test_kernel_family_defaults(monkeypatch):
     assert kdr._impl(4096) == "row"
 
 
+def test_register_caps(monkeypatch):
+    """The register caps apply where they were measured (4 warps: the backward at padded
+    width 2048, the forward at 4096, d=3072 included), TUNE overrides them (0 = none), other
+    warps and widths stay uncapped, and the interpreter gets no cap."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for key in ("src_maxnreg", "src_bwd_maxnreg"):
+        monkeypatch.delitem(kdr.TUNE, key, raising=False)
+    assert kdr._src_launch(2048, 4, True) == {"maxnreg": 128}
+    assert kdr._src_launch(2048, 4, False) == {}
+    assert kdr._src_launch(3072, 4, False) == {"maxnreg": 128}
+    assert kdr._src_launch(4096, 4, True) == {}
+    assert kdr._src_launch(2048, 8, True) == {}
+    assert kdr._src_launch(8192, 4, False) == {}
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_maxnreg", 0)
+    assert kdr._src_launch(2048, 4, True) == {}
+    monkeypatch.setitem(kdr.TUNE, "src_maxnreg", 96)
+    assert kdr._src_launch(1000, 8, False) == {"maxnreg": 96}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kdr._src_launch(1000, 8, False) == {}
+
+
 def test_alignment_facts():
     """16-byte vectors are declared only when every pointer is 16-byte aligned and every row
     stride (and d / r) is a multiple of 16 bytes' worth of elements, and not for projected

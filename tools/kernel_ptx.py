@@ -91,7 +91,8 @@ def main():
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
     ap.add_argument("--maxnreg", type=int, default=None,
-                    help="register cap per thread of the backward (TUNE src_bwd_maxnreg)")
+                    help="register cap per thread of both kernels, 0 = none (default: the "
+                         "kernels' own, SRC_MAXNREG)")
     args = ap.parse_args()
     pa, sa = (1, 1) if args.no_align else (16, 8)
     print(f"{'kernel':>4} {'d':>5} {'warps':>5} | {'regs':>4} {'progs/SM':>8} {'spill B':>7} "
@@ -108,8 +109,9 @@ def main():
                 cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=args.stages,
                           PF=int(not args.no_prefetch), FS=int(not args.no_fused_sums),
                           PA=pa, SA=sa, SK=1, **extra)
-                ptx = compile_ptx(fn, fargs, cs, warps, args.arch,
-                                  args.maxnreg if name == "bwd" else None)
+                cap = (args.maxnreg if args.maxnreg is not None else
+                       kdr._src_launch(d, warps, name == "bwd").get("maxnreg"))
+                ptx = compile_ptx(fn, fargs, cs, warps, args.arch, cap or None)
                 regs, spill, smem = ptxas_report(ptx, args.arch)
                 progs = min(REGISTERS_PER_SM // max(1, regs * 32 * warps),
                             MAX_WARPS_PER_SM // warps)
