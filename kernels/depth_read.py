@@ -724,7 +724,10 @@ def _src_prefetch(backward: bool) -> int:
     1 (the default) pipelines every source loop by hand
     (the next step's rows and the step after's table entries are loaded while a step
     reduces), 2 loads two steps ahead (the rows of steps i+1 and i+2 in flight while step i
-    reduces: one more row of registers per program), 0 leaves it to Triton
+    reduces: one more row of registers per program; slower on an H200 in every case
+    measured: forward 82.8 -> 73.6% of copy bandwidth at d=2048 and 89.9 -> 60.1% at
+    d=4096, fwd+bwd 74.4 -> 69.6% at d=2048 and 76.6 -> 73.5% at d=4096, GPU busy time,
+    benchmarks/results/kernels_prefetch_depth_2026-12-01.log), 0 leaves it to Triton
     (``src_stages``). An earlier unrolled variant (one
     compiled kernel per S) was 10-25% slower on an H200 than the runtime loop and is gone
     (benchmarks/results/kernels_src_unroll_sweep_2026-12-01.log)."""
