@@ -112,9 +112,9 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
 
 
 def _tiles(d: int, r: int, T: int):
-    bd = triton.next_power_of_2(d)
-    br = max(16, triton.next_power_of_2(r))
-    bt = max(1, min(_dr.TUNE.get("merge_tile", 4096) // bd, triton.next_power_of_2(max(T, 1))))
+    bd = _dr.pow2(d)
+    br = max(16, _dr.pow2(r))
+    bt = max(1, min(_dr.TUNE.get("merge_tile", 4096) // bd, _dr.pow2(max(T, 1))))
     warps = _dr.TUNE.get("merge_warps", max(4, min(16, bt * bd // 512)))
     return bt, bd, br, warps
 

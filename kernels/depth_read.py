@@ -18,6 +18,7 @@ only under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -633,6 +634,13 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): ``triton.next_power_of_2`` without
+    its per-call wrapper cost (it is a constexpr function in Triton 3.6, several
+    microseconds a call, a dozen calls per fwd+bwd)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def _alloc(shape, dtype, device) -> Tensor:
     if POISON:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -651,15 +659,15 @@ def _interpreting() -> bool:
 
 def _tiles(d: int, r: int, projected: bool, T: int) -> Tuple[int, int, int, int]:
     """(BT, BD, BR, num_warps): BT tokens times the padded width per program."""
-    bd = triton.next_power_of_2(d)
+    bd = pow2(d)
     # Key tiles narrower than 128 columns ran 16x slower on an H200 (r=32: 4.95 ms against
     # 0.31 ms at r=128 for the same values, benchmarks/results/projected_probe_2026-11-29.log);
     # the extra columns are masked.
-    br = max(128, triton.next_power_of_2(r)) if projected else 1
+    br = max(128, pow2(r)) if projected else 1
     # H200 sweep (benchmarks/results/depth_read.csv run of 1b1fc73): 2048-element tiles with
     # 4 warps beat 4096/8 by 5-12 points of copy bandwidth at d=2048 and d=4096
     tile = TUNE.get("tile", 2048)
-    bt = max(1, min(tile // bd, triton.next_power_of_2(max(T, 1))))
+    bt = max(1, min(tile // bd, pow2(max(T, 1))))
     warps = TUNE.get("warps", max(4, min(16, bt * bd // 1024)))
     return bt, bd, br, warps
 
@@ -687,8 +695,8 @@ def _src_tiles(d: int, S: int, backward: bool) -> Tuple[int, int, int]:
     # 72.7%); fwd+bwd at d=4096 66.0% (61.5%).
     pre = "src_bwd_" if backward else "src_"
     bl = TUNE.get(pre + "sources", 1)
-    bl = max(1, min(triton.next_power_of_2(bl), triton.next_power_of_2(S)))
-    bd = triton.next_power_of_2(d)
+    bl = max(1, min(pow2(bl), pow2(S)))
+    bd = pow2(d)
     warps = TUNE.get(pre + "warps", max(4, min(16, bl * bd // 2048)))
     return bl, warps, TUNE.get(pre + "stages", 1)
 
@@ -767,16 +775,21 @@ def _src_launch(d: int, warps: int, backward: bool) -> Dict[str, int]:
     ``src_bwd_maxnreg`` override it, 0 = no cap; ``tools/kernel_ptx.py --maxnreg`` shows
     registers, spills and programs per SM). Left out under the interpreter."""
     key = "src_bwd_maxnreg" if backward else "src_maxnreg"
-    default = SRC_MAXNREG[backward].get(triton.next_power_of_2(d)) if warps == 4 else None
+    default = SRC_MAXNREG[backward].get(pow2(d)) if warps == 4 else None
     cap = TUNE.get(key, default)
     return {} if not cap or _interpreting() else {"maxnreg": int(cap)}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: Optional[int]) -> int:
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def _src_programs(T: int, dev: torch.device) -> int:
     """Persistent programs of the source-tiled backward (each writes one grad_q partial)."""
     if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        return max(1, min(T, sms * TUNE.get("src_ctas_per_sm", 8)))
+        return max(1, min(T, _sm_count(dev.index) * TUNE.get("src_ctas_per_sm", 8)))
     return max(1, min(T, 3))
 
 
@@ -896,8 +909,7 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
         return parts.sum(0), dvs, dks
     n_blocks = triton.cdiv(T, bt)
     if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        nprog = min(n_blocks, sms * TUNE.get("ctas_per_sm", 4))
+        nprog = min(n_blocks, _sm_count(dev.index) * TUNE.get("ctas_per_sm", 4))
     else:
         nprog = min(n_blocks, 2)
     parts = _alloc((nprog, r), torch.float32, dev)

@@ -369,20 +369,20 @@ def _impl() -> int:
 
 
 def _tiles2d(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
-    bd = triton.next_power_of_2(d)
-    bk = triton.next_power_of_2(K)
-    br = max(16, triton.next_power_of_2(r))
-    bt = max(1, min(_dr.TUNE.get("multi2d_tile", 2048) // bd, triton.next_power_of_2(max(T, 1))))
+    bd = _dr.pow2(d)
+    bk = _dr.pow2(K)
+    br = max(16, _dr.pow2(r))
+    bt = max(1, min(_dr.TUNE.get("multi2d_tile", 2048) // bd, _dr.pow2(max(T, 1))))
     warps = _dr.TUNE.get("multi2d_warps", max(4, min(16, bt * bd // 1024)))
     return bt, bk, bd, br, warps
 
 
 def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     """(BT, BK, BD, BR, num_warps) for one group of K queries."""
-    bd = triton.next_power_of_2(d)
+    bd = _dr.pow2(d)
     # "multi_min_bk": pad the query axis of the tiles to at least this many (masked) rows
-    bk = max(triton.next_power_of_2(K), _dr.TUNE.get("multi_min_bk", 1))
-    br = max(16, triton.next_power_of_2(r))
+    bk = max(_dr.pow2(K), _dr.TUNE.get("multi_min_bk", 1))
+    br = max(16, _dr.pow2(r))
     # One token per program unless "multi_tile" asks for more. Compiled with triton 3.6 on an
     # H200, programs of several tokens (BT > 1: d <= 1024 at K <= 8) returned wrong value
     # and key gradients (relative errors 1.6-3.0 at the tiny and study-25m block shapes, and
@@ -390,7 +390,7 @@ def _tiles(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
     # like per-site reads (benchmarks/results/two_phase_diag_2026-12-01.log). The Triton
     # interpreter gets BT > 1 right, so tests/test_two_phase_ops.py keeps it covered there.
     bt = max(1, min(_dr.TUNE.get("multi_tile", bk * bd) // (bk * bd),
-                    triton.next_power_of_2(max(T, 1))))
+                    _dr.pow2(max(T, 1))))
     warps = _dr.TUNE.get("multi_warps", max(4, min(16, bt * bk * bd // 1024)))
     return bt, bk, bd, br, warps
 
@@ -534,7 +534,7 @@ def depth_read_multi_triton(
     d, r = shape[-1], queries.shape[-1]
     vs = [_rows(v, d) for v in values]
     ks = [_rows(k, r) for k in keys] if keys is not None else []
-    group = _dr.TUNE.get("multi_group", max(1, MAX_TILE // triton.next_power_of_2(d))
+    group = _dr.TUNE.get("multi_group", max(1, MAX_TILE // _dr.pow2(d))
                          if _impl() != 2 else 16)
     outs: List[Tensor] = []
     lses: List[Tensor] = []
