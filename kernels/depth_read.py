@@ -457,14 +457,18 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
 
 @triton.jit
 def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk_tab, vref,
-                  kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale, g, lse,
+                  kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale, g, gk, lse,
                   delta, gq, dex, ck, HAS_OUT: tl.constexpr, FS: tl.constexpr,
-                  PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
+                  KC: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
     # one step of a backward pass over a tile of sources (rows in their own dtype):
     # MODE 0: delta = sum_i a_i <g, v_i> (sliced keys without a saved output);
     # MODE 1: sliced keys, dv (value and key parts in one store) and the query gradient;
     # MODE 2: projected keys, pass 1: dv = a g, <g, v_i> parked in scratch, exact delta;
-    # MODE 3: projected keys, pass 2: dk and the query gradient from the keys alone
+    # MODE 3: projected keys, pass 2: dk and the query gradient from the keys alone.
+    # KC (sliced keys, modes 0 and 1): the key columns arrive as a row of their own (kf,
+    # [BL, BR], read through a table that points d - r elements into each source), so
+    # the query, its gradient and the correction are r wide instead of the padded row;
+    # dv is stored in two parts, the value columns (a g) and the key columns (a gk + dk)
     if MODE == 3:
         kf = kf.to(tl.float32)
         s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, True)
@@ -476,11 +480,19 @@ def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk
         gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
     else:
         v = v.to(tl.float32)
-        if MODE == 2:
+        if MODE == 2 or KC:
             kf = kf.to(tl.float32)
         else:
             kf = v
-        if FS and MODE != 2:
+        if KC:
+            if FS:
+                sq, ss = tl.reduce((kf * qk[None, :], kf * kf), 1, _add2)
+                rstd = 1.0 / tl.sqrt(ss / r + eps)
+                s = scale * sq * rstd
+            else:
+                s, rstd = _src_stats(kf, kf, qk, keycol, r, eps, scale, True)
+            da = tl.sum(g[None, :] * v, axis=1)
+        elif FS and MODE != 2:
             s, rstd, da = _sliced_sums(v, g, qk, keycol, r, eps, scale, True)
         else:
             s, rstd = _src_stats(v, kf, qk, keycol, r, eps, scale, MODE == 2)
@@ -497,25 +509,31 @@ def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk
             ds = a * (da - delta)
             if HAS_OUT:
                 dex += tl.sum(a * da, axis=0)
-                ck += tl.sum((a * rstd)[:, None] * v, axis=0)
-            dk = (rstd * ds)[:, None] * (scale * qk[None, :] - v * (rstd * s / r)[:, None])
-            gq += tl.sum((scale * ds * rstd)[:, None] * v, axis=0)
-            dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
-            _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, dv, PA, SA)
+                ck += tl.sum((a * rstd)[:, None] * kf, axis=0)
+            dk = (rstd * ds)[:, None] * (scale * qk[None, :] - kf * (rstd * s / r)[:, None])
+            gq += tl.sum((scale * ds * rstd)[:, None] * kf, axis=0)
+            if KC:
+                _store_rows(dv_tab, src, smask, vref, row64, d, cols, cols < d - r,
+                            a[:, None] * g[None, :], PA, SA)
+                _store_rows(dk_tab, src, smask, vref, row64, d, rcols, rcols < r,
+                            a[:, None] * gk[None, :] + dk, PA, SK)
+            else:
+                dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
+                _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, dv, PA, SA)
     return delta, gq, dex, ck
 
 
 @triton.jit
 def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab, dv_tab,
                   dk_tab, vref, kref, da_ptr, cols, cmask, rcols, qk, keycol, r, eps, scale,
-                  g, o, lse, delta, gq, dex, ck, HAS_OUT: tl.constexpr, BL: tl.constexpr,
+                  g, gk, o, lse, delta, gq, dex, ck, HAS_OUT: tl.constexpr, BL: tl.constexpr,
                   STAGES: tl.constexpr, PF: tl.constexpr, FS: tl.constexpr,
-                  PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
+                  KC: tl.constexpr, PA: tl.constexpr, SA: tl.constexpr, SK: tl.constexpr):
     # one pass over the sources of one token row (see _bwd_src_step for MODE). With a
     # saved output (MODE 1, HAS_OUT), delta = <g, out> is reduced after the first rows'
     # loads are issued.
     VALS: tl.constexpr = MODE != 3
-    KEYS: tl.constexpr = MODE >= 2
+    KEYS: tl.constexpr = MODE >= 2 or KC
     if PF == 2:
         # two steps ahead (see _fwd_src_kernel)
         vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
@@ -535,8 +553,8 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
                                             ks_tab, vref, kref, BL, VALS, KEYS)
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
-                                               qk, keycol, r, eps, scale, g, lse, delta, gq,
-                                               dex, ck, HAS_OUT, FS, PA, SA, SK)
+                                               qk, keycol, r, eps, scale, g, gk, lse, delta,
+                                               gq, dex, ck, HAS_OUT, FS, KC, PA, SA, SK)
             v, kf, src, sm = v_n, kf_n, src_n, sm_n
             v_n, kf_n, src_n, sm_n, src_nn, sm_nn = v_nn, kf_nn, src_nn, sm_nn, src_3, sm_3
     elif PF:
@@ -553,8 +571,8 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
                                               ks_tab, vref, kref, BL, VALS, KEYS)
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
-                                               qk, keycol, r, eps, scale, g, lse, delta, gq,
-                                               dex, ck, HAS_OUT, FS, PA, SA, SK)
+                                               qk, keycol, r, eps, scale, g, gk, lse, delta,
+                                               gq, dex, ck, HAS_OUT, FS, KC, PA, SA, SK)
             v, kf, src, sm, src_n, sm_n = v_n, kf_n, src_n, sm_n, src_nn, sm_nn
     else:
         if MODE == 1 and HAS_OUT:
@@ -565,8 +583,8 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
             v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
-                                               qk, keycol, r, eps, scale, g, lse, delta, gq,
-                                               dex, ck, HAS_OUT, FS, PA, SA, SK)
+                                               qk, keycol, r, eps, scale, g, gk, lse, delta,
+                                               gq, dex, ck, HAS_OUT, FS, KC, PA, SA, SK)
     return delta, gq, dex, ck
 
 
@@ -576,20 +594,26 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                     T, S, d, r, eps, scale,
                     PROJECTED: tl.constexpr, HAS_OUT: tl.constexpr, BL: tl.constexpr,
                     BD: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
-                    PF: tl.constexpr, FS: tl.constexpr, PA: tl.constexpr,
+                    PF: tl.constexpr, FS: tl.constexpr, KC: tl.constexpr, PA: tl.constexpr,
                     SA: tl.constexpr, SK: tl.constexpr):
-    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program
+    # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program.
+    # KC: sliced keys read as rows of their own (see _bwd_src_step); the key tables point
+    # d - r elements into the sources and their gradients
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
     cmask = cols < d
     rcols = tl.arange(0, BR)
-    qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED)
+    qk, keycol = _query(q_ptr, cols, rcols, d, r, PROJECTED or KC)
     gq = tl.zeros_like(qk)
     zero = tl.sum(tl.zeros([BL], tl.float32), axis=0)
     for row in range(pid, T, nprog):
         row64 = tl.cast(row, tl.int64)
         g = tl.load(g_ptr + row64 * g_stride + cols, mask=cmask, other=0.0).to(tl.float32)
+        gk = qk
+        if KC:
+            gk = tl.load(g_ptr + row64 * g_stride + (d - r) + rcols, mask=rcols < r,
+                         other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + row64)
         dex = zero
         ck = tl.zeros_like(qk)
@@ -597,15 +621,15 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
             # values once (dv = a g, exact delta, <g, v_i> parked in scratch), then keys only
             delta, gq, dex, ck = _bwd_src_pass(2, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
                                                dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
-                                               rcols, qk, keycol, r, eps, scale, g, g, lse,
+                                               rcols, qk, keycol, r, eps, scale, g, gk, g, lse,
                                                zero, gq, dex, ck, False, BL, STAGES, PF, FS,
-                                               PA, SA, SK)
+                                               False, PA, SA, SK)
             tl.debug_barrier()
             delta, gq, dex, ck = _bwd_src_pass(3, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
                                                dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
-                                               rcols, qk, keycol, r, eps, scale, g, g, lse,
+                                               rcols, qk, keycol, r, eps, scale, g, gk, g, lse,
                                                delta, gq, dex, ck, False, BL, STAGES, PF, FS,
-                                               PA, SA, SK)
+                                               False, PA, SA, SK)
         else:
             # delta = sum_i a_i <g, v_i> = <g, out> (exact without a saved output). With
             # HAS_OUT, delta carries the output's rounding; grad_q is corrected after the
@@ -618,17 +642,17 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                 delta, gq, dex, ck = _bwd_src_pass(0, S, row64, T, d, v_tab, vs_tab, k_tab,
                                                    ks_tab, dv_tab, dk_tab, vref, kref, da_ptr,
                                                    cols, cmask, rcols, qk, keycol, r, eps,
-                                                   scale, g, o, lse, zero, gq, dex, ck,
-                                                   False, BL, STAGES, PF, FS, PA, SA,
+                                                   scale, g, gk, o, lse, zero, gq, dex, ck,
+                                                   False, BL, STAGES, PF, FS, KC, PA, SA,
                                                    SK)
             delta, gq, dex, ck = _bwd_src_pass(1, S, row64, T, d, v_tab, vs_tab, k_tab, ks_tab,
                                                dv_tab, dk_tab, vref, kref, da_ptr, cols, cmask,
-                                               rcols, qk, keycol, r, eps, scale, g, o, lse,
+                                               rcols, qk, keycol, r, eps, scale, g, gk, o, lse,
                                                delta, gq, dex, ck, HAS_OUT, BL, STAGES, PF,
-                                               FS, PA, SA, SK)
+                                               FS, KC, PA, SA, SK)
             if HAS_OUT:
                 gq += (scale * (delta - dex)) * ck
-    if PROJECTED:
+    if PROJECTED or KC:
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
     else:
         tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
@@ -702,7 +726,7 @@ def _src_tiles(d: int, S: int, backward: bool) -> Tuple[int, int, int]:
 
 
 def _alignment(values: Sequence[Tensor], keys: Sequence[Tensor], d: int, r: int,
-               bd: int) -> Dict[str, int]:
+               bd: int, key_offset: Optional[int] = None) -> Dict[str, int]:
     """Alignment facts for the source-tiled kernels' row pointers: PA = 16 when every
     table pointer (sources and their gradients) is 16-byte aligned and keys are sliced,
     else 1; SA / SK = the elements in 16 bytes when every value / key row stride and d / r
@@ -724,7 +748,12 @@ def _alignment(values: Sequence[Tensor], keys: Sequence[Tensor], d: int, r: int,
         vec = 16 // group[0].element_size()
         ok = width % vec == 0 and all(t.stride(0) % vec == 0 for t in group)
         return vec if ok else 1
-    return dict(PA=pa, SA=common(list(values), d), SK=common(list(keys), r))
+    sa = common(list(values), d)
+    if key_offset is not None:
+        # sliced keys read as rows of their own, key_offset elements into each value row:
+        # whole vectors when the offset and r are multiples of the vector too
+        return dict(PA=pa, SA=sa, SK=sa if key_offset % sa == 0 and r % sa == 0 else 1)
+    return dict(PA=pa, SA=sa, SK=common(list(keys), r))
 
 
 def _src_prefetch(backward: bool) -> int:
@@ -784,6 +813,16 @@ def _src_launch(d: int, warps: int, backward: bool) -> Dict[str, int]:
 def _sm_count(index: Optional[int]) -> int:
     return torch.cuda.get_device_properties(
         index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
+def _src_key_chunk(d: int, r: int) -> bool:
+    """KC of the source-tiled backward (TUNE key ``src_bwd_key_chunk``, off by default until
+    measured on a GPU): sliced keys read as rows of their own, so that the query, its
+    gradient and the correction accumulator are r wide instead of the padded row width
+    (fewer registers: ``tools/kernel_ptx.py --key-chunk``). Only where r pads to less
+    than the row (pow2(r) < pow2(d)); the key columns are then read twice per step (the
+    second time from cache) and a step has two row reductions instead of one."""
+    return bool(TUNE.get("src_bwd_key_chunk", 0)) and pow2(r) < pow2(d)
 
 
 def _src_programs(T: int, dev: torch.device) -> int:
@@ -884,8 +923,15 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
         return torch.zeros_like(query), [dv.zero_() for dv in dvs], [dk.zero_() for dk in dks]
     g = _rows(grad_out, d)
     bt, bd, br, warps = _tiles(d, r, projected, T)
+    kc = not projected and _impl(d) == "src" and _src_key_chunk(d, r)
     if projected:
         (v_tab, vs_tab), (dv_tab, _), (k_tab, ks_tab), (dk_tab, _) = _tables(vs, dvs, ks, dks)
+    elif kc:
+        # the key columns as rows of their own: views d - r elements into each source and
+        # each gradient (same row strides)
+        br = pow2(r)
+        (v_tab, vs_tab), (dv_tab, _), (k_tab, ks_tab), (dk_tab, _) = _tables(
+            vs, dvs, [v[:, d - r:] for v in vs], [dv[:, d - r:] for dv in dvs])
     else:
         (v_tab, vs_tab), (dv_tab, _) = _tables(vs, dvs)
         k_tab, ks_tab, dk_tab = v_tab, vs_tab, dv_tab
@@ -903,9 +949,9 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             query, lse, g, g.stride(0), out if has_out else g, da, parts,
             T, len(vs), d, r, eps, scale,
             PROJECTED=projected, HAS_OUT=has_out, BL=bl, BD=bd, BR=br, STAGES=stages,
-            PF=_src_prefetch(True), FS=_src_fused_sums(True),
-            **_alignment(vs + dvs, ks + dks, d, r, bd), **_src_launch(d, warps, True),
-            num_warps=warps)
+            PF=_src_prefetch(True), FS=_src_fused_sums(True), KC=kc,
+            **_alignment(vs + dvs, ks + dks, d, r, bd, key_offset=d - r if kc else None),
+            **_src_launch(d, warps, True), num_warps=warps)
         return parts.sum(0), dvs, dks
     n_blocks = triton.cdiv(T, bt)
     if dev.type == "cuda":

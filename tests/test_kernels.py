@@ -237,6 +237,17 @@ def test_parity_large_bf16(name, save_output):
     check(T, d, r, S, torch.bfloat16, projected, save_output)
 
 
+@needs_cuda
+@pytest.mark.parametrize("save_output", [True, False], ids=["saved_out", "recompute"])
+@pytest.mark.parametrize("name", ["d2048_S9_sliced", "d2560_S9_sliced", "d8192_S9_sliced",
+                                  "d1000_S64_sliced"])
+def test_key_chunk_large_bf16(name, save_output, monkeypatch):
+    """The backward with the sliced keys as rows of their own, at the large shapes."""
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", 1)
+    T, d, r, S, projected = GPU_SHAPES[name]
+    check(T, d, r, S, torch.bfloat16, projected, save_output)
+
+
 @pytest.mark.parametrize("projected", [False, True])
 def test_source_tiles_and_stages(projected, impl, monkeypatch):
     """Source-tiled kernels at other tiles (BL = 1, 2, 4, 8 sources per step, 1-3 pipeline
@@ -256,6 +267,48 @@ def test_source_tiles_and_stages(projected, impl, monkeypatch):
         monkeypatch.setitem(kdr.TUNE, "src_ctas_per_sm", ctas)
         for dtype in (torch.float32, torch.bfloat16):
             check(T, d, r, S + 5, dtype, projected)
+
+
+@pytest.mark.parametrize("name", ["sliced", "r_one", "one_source", "many_sources",
+                                  "odd_d_1000", "one_token"])
+def test_key_chunk_backward(name, impl, monkeypatch):
+    """The source-tiled backward with the sliced keys read as rows of their own
+    (src_bwd_key_chunk; r-wide query gradient and correction, dv stored in two parts)
+    meets the same table: fp32 and bf16, saved output or not, hand pipelining on and off,
+    key offsets d - r that are whole 16-byte vectors and ones that are not (d=1000)."""
+    if impl != 1:
+        pytest.skip("source-tiled kernels only")
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", 1)
+    T, d, r, S, projected = STRESS[name]
+    assert kdr._src_key_chunk(d, r)
+    for dtype in (torch.float32, torch.bfloat16):
+        for save_output in (True, False):
+            check(T, d, r, S, dtype, projected, save_output)
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_prefetch", 0)
+    check(T, d, r, S, torch.bfloat16, projected, True)
+
+
+@pytest.mark.parametrize("key_chunk", [0, 1])
+def test_query_gradient_with_near_identical_sources(key_chunk, impl, monkeypatch):
+    """bf16 sources that differ by 1%: the saved bf16 output's rounding is then of the
+    order of <g, v_i> - delta itself, and the query gradient (a sum over tokens) is exact
+    only through the backward's correction term, with the keys read inside the rows or
+    as rows of their own (source-tiled kernels; the token-tiled ones have no such mode)."""
+    if impl != 1 and key_chunk:
+        pytest.skip("key rows of their own: source-tiled kernels only")
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", key_chunk)
+    T, d, r, S = 64, 64, 16, 6
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    base = torch.randn(T, d, generator=gen, device=DEVICE)
+    values = [(base + 0.01 * torch.randn(T, d, generator=gen, device=DEVICE)).to(
+        torch.bfloat16).requires_grad_() for _ in range(S)]
+    query = (torch.randn(r, generator=gen, device=DEVICE) * 0.5).requires_grad_()
+    grad = torch.randn(T, d, generator=gen, device=DEVICE).to(torch.bfloat16)
+    _, gs = grads_of(kdr.depth_read_triton, values, query, None, grad, save_output=True)
+    up = [v.detach().double().requires_grad_() for v in values]
+    qup = query.detach().double().requires_grad_()
+    _, rgs = grads_of(depth_read_naive, up, qup, None, grad.double())
+    assert rel_rms(gs[0], rgs[0]) <= TOL[torch.bfloat16]
 
 
 def test_kernel_family_defaults(monkeypatch):

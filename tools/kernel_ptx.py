@@ -92,6 +92,8 @@ def main():
                     help="source loops without the hand pipelining")
     ap.add_argument("--prefetch-steps", type=int, default=1, choices=(1, 2),
                     help="hand pipelining depth: rows loaded 1 or 2 steps ahead")
+    ap.add_argument("--key-chunk", type=int, default=0, metavar="R",
+                    help="backward with the sliced keys read as rows of their own (KC), r=R")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap per thread of both kernels, 0 = none (default: the "
                          "kernels' own, SRC_MAXNREG)")
@@ -107,10 +109,13 @@ def main():
                     ("fwd", kdr._fwd_src_kernel, FWD_ARGS,
                      dict(BL=kdr._src_tiles(d, 9, backward=False)[0])),
                     ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
-                     dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True))):
-                cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=args.stages,
+                     dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True,
+                          KC=bool(args.key_chunk)))):
+                br = triton.next_power_of_2(args.key_chunk) if name == "bwd" and args.key_chunk else 1
+                cs = dict(PROJECTED=False, BD=bd, BR=br, STAGES=args.stages,
                           PF=0 if args.no_prefetch else args.prefetch_steps, FS=int(not args.no_fused_sums),
-                          PA=pa, SA=sa, SK=1, **extra)
+                          PA=pa, SA=sa, SK=sa if name == "bwd" and args.key_chunk else 1,
+                          **extra)
                 cap = (args.maxnreg if args.maxnreg is not None else
                        kdr._src_launch(d, warps, name == "bwd").get("maxnreg"))
                 ptx = compile_ptx(fn, fargs, cs, warps, args.arch, cap or None)
