@@ -388,22 +388,27 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         fbest = fwd[min(ms, key=_rank(ms, gpu))][0]
         bwd = {}
         # (saved output, hand pipelining, sources per step, warps, programs per SM, fused row
-        # sums, register cap, 0 = none); the default at d=2048 is the third, at d=4096 the
-        # first (kdr.SRC_MAXNREG); the forward keeps the best setting above. A register cap buys programs per SM with spills (tools/kernel_ptx.py
-        # --maxnreg: at d=2048, 4 warps, 159 -> 128 registers is 3 -> 4 programs, 32 bytes
-        # spilled; 96 is 5 programs, 200 bytes).
-        for save, pf, bl, warps, ctas, fs, cap in (
-                (True, 1, 1, 4, 8, 1, 0), (True, 1, 1, 4, 8, 0, 0), (True, 1, 1, 4, 8, 1, 128),
-                (True, 1, 1, 4, 8, 1, 96), (True, 1, 1, 4, 16, 1, 128), (True, 1, 1, 8, 8, 1, 0),
-                (True, 1, 1, 8, 8, 1, 128), (True, 1, 2, 4, 8, 1, 0),
-                (False, 1, 1, 4, 8, 1, 0), (False, 1, 1, 4, 8, 1, 128)):
+        # sums, register cap: None = the default SRC_MAXNREG, 0 = none, keys as rows of
+        # their own); the first is the default; the forward keeps the best setting above.
+        # A register cap buys programs per SM with spills (tools/kernel_ptx.py --maxnreg);
+        # with the keys as rows of their own (--key-chunk) the backward needs 96 registers
+        # at d=2048 (5 programs per SM; 80: 6) and 168 at d=4096 (3; 128: 4, 132 bytes
+        # spilled; 8 warps: 115, 2 programs).
+        for save, pf, bl, warps, ctas, fs, cap, kc in (
+                (True, 1, 1, 4, 8, 1, None, 0), (True, 1, 1, 4, 8, 1, 0, 0),
+                (True, 1, 1, 4, 8, 1, 0, 1), (True, 1, 1, 4, 8, 1, 96, 1),
+                (True, 1, 1, 4, 8, 1, 80, 1), (True, 1, 1, 4, 8, 1, 128, 1),
+                (True, 1, 1, 8, 8, 1, 0, 1), (True, 1, 1, 4, 16, 1, 96, 1),
+                (False, 1, 1, 4, 8, 1, None, 0), (False, 1, 1, 4, 8, 1, 96, 1)):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
             cfg = dict(src_bwd_sources=bl, src_bwd_warps=warps, src_bwd_stages=1,
                        src_bwd_prefetch=pf, src_ctas_per_sm=ctas, src_bwd_fused_sums=fs,
-                       src_bwd_maxnreg=cap)
+                       src_bwd_key_chunk=kc, **({} if cap is None else
+                                                {"src_bwd_maxnreg": cap}))
             tune = dict(base, impl=1, **fbest, **cfg)
             name = (f"save_output={save} prefetch={pf} BL={bl} warps={warps} "
-                    f"ctas/sm={ctas} fused_sums={fs} maxnreg={cap or '-'}")
+                    f"ctas/sm={ctas} fused_sums={fs} "
+                    f"maxnreg={'default' if cap is None else cap or '-'} key_rows={kc}")
             err = _with_tune(tune, check, fn, vals, query, None, grad, ref)
             if not err <= TOL_BF16:
                 print(f"src sweep fwd+bwd d={d} {name}: RED CHECK {err:.1e}", flush=True)
