@@ -258,6 +258,25 @@ def test_source_tiles_and_stages(projected, impl, monkeypatch):
             check(T, d, r, S + 5, dtype, projected)
 
 
+def test_query_gradient_with_near_identical_sources():
+    """bf16 sources that differ by 1%: the saved bf16 output's rounding is then of the
+    order of <g, v_i> - delta itself, and the query gradient (a sum over tokens) is exact
+    only through the backward's correction term (the source-tiled backward with the
+    correction removed fails this test)."""
+    T, d, r, S = 64, 64, 16, 6
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    base = torch.randn(T, d, generator=gen, device=DEVICE)
+    values = [(base + 0.01 * torch.randn(T, d, generator=gen, device=DEVICE)).to(
+        torch.bfloat16).requires_grad_() for _ in range(S)]
+    query = (torch.randn(r, generator=gen, device=DEVICE) * 0.5).requires_grad_()
+    grad = torch.randn(T, d, generator=gen, device=DEVICE).to(torch.bfloat16)
+    _, gs = grads_of(kdr.depth_read_triton, values, query, None, grad, save_output=True)
+    up = [v.detach().double().requires_grad_() for v in values]
+    qup = query.detach().double().requires_grad_()
+    _, rgs = grads_of(depth_read_naive, up, qup, None, grad.double())
+    assert rel_rms(gs[0], rgs[0]) <= TOL[torch.bfloat16]
+
+
 def test_kernel_family_defaults(monkeypatch):
     """d >= SRC_MIN_WIDTH takes the source-tiled kernels, narrower rows the token-tiled
     ones; TUNE["impl"] overrides either way."""
