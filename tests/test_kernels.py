@@ -292,8 +292,9 @@ def test_key_chunk_backward(name, impl, monkeypatch):
 def test_query_gradient_with_near_identical_sources(key_chunk, impl, monkeypatch):
     """bf16 sources that differ by 1%: the saved bf16 output's rounding is then of the
     order of <g, v_i> - delta itself, and the query gradient (a sum over tokens) is exact
-    only through the backward's correction term, with the keys read inside the rows or
-    as rows of their own (source-tiled kernels; the token-tiled ones have no such mode)."""
+    only through the backward's correction term (the source-tiled backward with the
+    correction removed fails this test), with the keys read inside the rows or as rows of
+    their own (source-tiled kernels; the token-tiled ones have no such mode)."""
     if impl != 1 and key_chunk:
         pytest.skip("key rows of their own: source-tiled kernels only")
     monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", key_chunk)
