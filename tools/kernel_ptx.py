@@ -90,8 +90,6 @@ def main():
                     help="Triton pipeline stages of the source loops (with --no-prefetch)")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
-    ap.add_argument("--prefetch-steps", type=int, default=1, choices=(1, 2),
-                    help="hand pipelining depth: rows loaded 1 or 2 steps ahead")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap per thread of both kernels, 0 = none (default: the "
                          "kernels' own, SRC_MAXNREG)")
@@ -109,7 +107,7 @@ def main():
                     ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
                      dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True))):
                 cs = dict(PROJECTED=False, BD=bd, BR=1, STAGES=args.stages,
-                          PF=0 if args.no_prefetch else args.prefetch_steps, FS=int(not args.no_fused_sums),
+                          PF=int(not args.no_prefetch), FS=int(not args.no_fused_sums),
                           PA=pa, SA=sa, SK=1, **extra)
                 cap = (args.maxnreg if args.maxnreg is not None else
                        kdr._src_launch(d, warps, name == "bwd").get("maxnreg"))
