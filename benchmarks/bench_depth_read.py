@@ -429,46 +429,6 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
     return best
 
 
-def depth_probe(T, copy_tbps, widths=(2048, 4096), S=9):
-    """Hand-pipelining depth of the source-tiled kernels at the default settings otherwise:
-    rows loaded one (the default) or two steps ahead, forward and backward, S=9, sliced
-    r=d/4; each variant checked against the reference, then GPU busy time (device_ms, two
-    interleaved rounds of 20 calls) and wall time."""
-    base = dict(kdr.TUNE)
-    for d in widths:
-        vals, query, _, grad = make(T, d, d // 4, S, False, seed=4)
-        fwd_bytes, fb_bytes = (S + 1) * T * d * 2, (3 * S + 2) * T * d * 2
-        ref = fwd_bwd(depth_read_torch, [v.float() for v in vals], query, None, grad.float())
-        fns = {}
-        for fpf, bpf in ((1, 1), (2, 1), (1, 2), (2, 2)):
-            tune = dict(base, src_prefetch=fpf, src_bwd_prefetch=bpf)
-            err = _with_tune(tune, check, kdr.depth_read_triton, vals, query, None, grad, ref)
-            name = f"prefetch fwd={fpf} bwd={bpf}"
-            if not err <= TOL_BF16:
-                print(f"depth probe d={d} {name}: RED CHECK {err:.1e}", flush=True)
-                continue
-            fns[name] = (
-                functools.partial(_with_tune, tune, kdr.depth_read_triton, vals, query),
-                functools.partial(_with_tune, tune, fwd_bwd, kdr.depth_read_triton, vals,
-                                  query, None, grad))
-        gpu = {n: ([], []) for n in fns}
-        for _ in range(2):
-            for n, (f, fb) in fns.items():
-                with torch.no_grad():
-                    gpu[n][0].append(device_ms(f, iters=20))
-                gpu[n][1].append(device_ms(fb, iters=20))
-        with torch.no_grad():
-            wf = bench_rounds({n: f for n, (f, _) in fns.items()}, rep=100)
-        wb = bench_rounds({n: fb for n, (_, fb) in fns.items()}, rep=100)
-        for n in fns:
-            gf, gb = min(gpu[n][0]), min(gpu[n][1])
-            print(f"depth probe d={d} {n}: fwd {_sweep_times(wf[n], gf, fwd_bytes, copy_tbps)}"
-                  f" || fwd+bwd {_sweep_times(wb[n], gb, fb_bytes, copy_tbps)}", flush=True)
-        del vals, grad, ref
-    kdr.TUNE.clear()
-    kdr.TUNE.update(base)
-
-
 def layout_probe(T, copy_tbps, d=2048, S=9):
     """Does where the sources sit in memory change the speed? The same sources as separate
     allocations (the default), carved back to back from one buffer, and carved with random
@@ -684,9 +644,6 @@ def main():
     ap.add_argument("--host-probe", action="store_true",
                     help="where a fwd+bwd call's wall time goes (d=2048, S=9): wall, GPU and "
                          "host time and the CUDA runtime calls per call, ours and the peers")
-    ap.add_argument("--depth-probe", action="store_true",
-                    help="source-tiled kernels with rows loaded one or two steps ahead "
-                         "(S=9, sliced r=d/4; GPU busy and wall time)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="interleaved timing rounds per candidate (median taken)")
     ap.add_argument("--no-table", action="store_true", help="sweeps and probes only")
@@ -730,8 +687,6 @@ def main():
         layout_probe(T, copy_tbps)
     if args.host_probe:
         host_probe(T, copy_tbps)
-    if args.depth_probe:
-        depth_probe(T, copy_tbps, sorted(set(args.widths) & {2048, 4096}) or (2048,))
     if args.block:
         run_blocks(args, T, copy_tbps, meta)
         return

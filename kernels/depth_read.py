@@ -44,7 +44,8 @@ SAVE_OUTPUT = os.environ.get("LRATTN_DEPTH_READ_SAVE_OUTPUT", "1") == "1"
 # "ctas_per_sm": persistent backward programs per SM, "prefetch": 1 to load the next
 # source while reducing the current one; "src_*" keys for the source-tiled kernels
 # (sources, warps, stages, prefetch, fused_sums, maxnreg, ctas_per_sm; "src_bwd_*" for
-# the backward); "multi_*" / "merge_*" keys for the two-phase kernels}. The environment variable LRATTN_KERNELS_TUNE (a JSON object of the same keys)
+# the backward); "multi_*" / "merge_*" keys for the two-phase kernels}. The environment
+# variable LRATTN_KERNELS_TUNE (a JSON object of the same keys)
 # presets it for a whole process, e.g. a training run with other tiles
 # (tools/gpu_box/two_phase_diag.sh).
 TUNE: Dict[str, int] = {}
@@ -410,27 +411,7 @@ def _fwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, out_ptr, ls
     m = tl.max(tl.full([BL], float("-inf"), tl.float32), axis=0)
     l = tl.sum(tl.zeros([BL], tl.float32), axis=0)
     acc = tl.zeros([BD], tl.float32)
-    if PF == 2:
-        # two steps ahead: the rows of steps i+1 and i+2 are in flight while step i reduces
-        vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
-                                    True, PROJECTED)
-        v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, True, PROJECTED, PA, SA, SK)
-        vp, kp, src, sm_n = _src_ptrs(BL, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref,
-                                      BL, True, PROJECTED)
-        v_n, kf_n = _src_rows(vp, kp, sm_n, cols, cmask, rcols, r, True, PROJECTED, PA, SA,
-                              SK)
-        vp, kp, src, sm_nn = _src_ptrs(2 * BL, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
-                                       kref, BL, True, PROJECTED)
-        for base in tl.range(0, S, BL, num_stages=1):
-            v_nn, kf_nn = _src_rows(vp, kp, sm_nn, cols, cmask, rcols, r, True, PROJECTED, PA,
-                                    SA, SK)
-            vp, kp, src, sm_3 = _src_ptrs(base + 3 * BL, S, row64, v_tab, vs_tab, k_tab,
-                                          ks_tab, vref, kref, BL, True, PROJECTED)
-            m, l, acc = _fwd_src_step(v, kf, sm, qk, keycol, r, eps, scale, m, l, acc,
-                                      PROJECTED, FS)
-            v, kf, sm = v_n, kf_n, sm_n
-            v_n, kf_n, sm_n, sm_nn = v_nn, kf_nn, sm_nn, sm_3
-    elif PF:
+    if PF:
         vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
                                     True, PROJECTED)
         v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, True, PROJECTED, PA, SA, SK)
@@ -534,30 +515,7 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
     # loads are issued.
     VALS: tl.constexpr = MODE != 3
     KEYS: tl.constexpr = MODE >= 2 or KC
-    if PF == 2:
-        # two steps ahead (see _fwd_src_kernel)
-        vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
-                                    VALS, KEYS)
-        v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
-        vp, kp, src_n, sm_n = _src_ptrs(BL, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
-                                        kref, BL, VALS, KEYS)
-        v_n, kf_n = _src_rows(vp, kp, sm_n, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
-        vp, kp, src_nn, sm_nn = _src_ptrs(2 * BL, S, row64, v_tab, vs_tab, k_tab, ks_tab,
-                                          vref, kref, BL, VALS, KEYS)
-        if MODE == 1 and HAS_OUT:
-            delta = tl.sum(g * o, axis=0)
-        for base in tl.range(0, S, BL, num_stages=1):
-            v_nn, kf_nn = _src_rows(vp, kp, sm_nn, cols, cmask, rcols, r, VALS, KEYS, PA, SA,
-                                    SK)
-            vp, kp, src_3, sm_3 = _src_ptrs(base + 3 * BL, S, row64, v_tab, vs_tab, k_tab,
-                                            ks_tab, vref, kref, BL, VALS, KEYS)
-            delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
-                                               dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
-                                               qk, keycol, r, eps, scale, g, gk, lse, delta,
-                                               gq, dex, ck, HAS_OUT, FS, KC, PA, SA, SK)
-            v, kf, src, sm = v_n, kf_n, src_n, sm_n
-            v_n, kf_n, src_n, sm_n, src_nn, sm_nn = v_nn, kf_nn, src_nn, sm_nn, src_3, sm_3
-    elif PF:
+    if PF:
         vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
                                     VALS, KEYS)
         v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
@@ -760,18 +718,14 @@ def _src_prefetch(backward: bool) -> int:
     """PF of the source-tiled kernels (TUNE keys ``src_prefetch`` / ``src_bwd_prefetch``):
     1 (the default) pipelines every source loop by hand
     (the next step's rows and the step after's table entries are loaded while a step
-    reduces), 2 loads two steps ahead (the rows of steps i+1 and i+2 in flight while step i
-    reduces: one more row of registers per program; slower on an H200 in every case
-    measured: forward 82.8 -> 73.6% of copy bandwidth at d=2048 and 89.9 -> 60.1% at
-    d=4096, fwd+bwd 74.4 -> 69.6% at d=2048 and 76.6 -> 73.5% at d=4096, GPU busy time,
-    benchmarks/results/kernels_prefetch_depth_2026-12-01.log), 0 leaves it to Triton
-    (``src_stages``). An earlier unrolled variant (one
-    compiled kernel per S) was 10-25% slower on an H200 than the runtime loop and is gone
-    (benchmarks/results/kernels_src_unroll_sweep_2026-12-01.log)."""
-    pf = int(TUNE.get("src_bwd_prefetch" if backward else "src_prefetch", 1))
-    if pf not in (0, 1, 2):
-        raise ValueError(f"TUNE src_(bwd_)prefetch must be 0, 1 or 2 steps ahead, got {pf}")
-    return pf
+    reduces), 0 leaves it to Triton (``src_stages``). Loading two steps ahead (one more
+    row of registers per program) was slower on an H200 in every case measured (forward
+    82.8 -> 73.6% of copy bandwidth at d=2048 and 89.9 -> 60.1% at d=4096, fwd+bwd
+    74.4 -> 69.6% and 76.6 -> 73.5%, GPU busy time, git e963348,
+    benchmarks/results/kernels_prefetch_depth_2026-12-01.log) and is gone, as is an
+    earlier unrolled variant (one compiled kernel per S, 10-25% slower than the runtime
+    loop, benchmarks/results/kernels_src_unroll_sweep_2026-12-01.log)."""
+    return int(bool(TUNE.get("src_bwd_prefetch" if backward else "src_prefetch", 1)))
 
 
 def _src_fused_sums(backward: bool) -> int:

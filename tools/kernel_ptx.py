@@ -90,8 +90,6 @@ def main():
                     help="Triton pipeline stages of the source loops (with --no-prefetch)")
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
-    ap.add_argument("--prefetch-steps", type=int, default=1, choices=(1, 2),
-                    help="hand pipelining depth: rows loaded 1 or 2 steps ahead")
     ap.add_argument("--key-chunk", type=int, default=0, metavar="R",
                     help="backward with the sliced keys read as rows of their own (KC), r=R")
     ap.add_argument("--maxnreg", type=int, default=None,
@@ -111,10 +109,11 @@ def main():
                     ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
                      dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True,
                           KC=bool(args.key_chunk)))):
-                br = triton.next_power_of_2(args.key_chunk) if name == "bwd" and args.key_chunk else 1
-                cs = dict(PROJECTED=False, BD=bd, BR=br, STAGES=args.stages,
-                          PF=0 if args.no_prefetch else args.prefetch_steps, FS=int(not args.no_fused_sums),
-                          PA=pa, SA=sa, SK=sa if name == "bwd" and args.key_chunk else 1,
+                kc = name == "bwd" and bool(args.key_chunk)
+                cs = dict(PROJECTED=False, BD=bd,
+                          BR=triton.next_power_of_2(args.key_chunk) if kc else 1,
+                          STAGES=args.stages, PF=int(not args.no_prefetch),
+                          FS=int(not args.no_fused_sums), PA=pa, SA=sa, SK=sa if kc else 1,
                           **extra)
                 cap = (args.maxnreg if args.maxnreg is not None else
                        kdr._src_launch(d, warps, name == "bwd").get("maxnreg"))
