@@ -5,8 +5,9 @@ against the reference backend; no number is reported on a red check), then times
 fwd+bwd of all backends with ``triton.testing.do_bench`` in interleaved rounds (median of
 the per-round medians, ``--rounds``), and also their GPU busy time per call (kernel and copy
 durations from a ``torch.profiler`` trace; at d=2048 the host, not the GPU, sets the wall
-time of a fwd+bwd call), against the device-copy bandwidth measured in the same run. Minimal bytes: fwd (S+1)*T*d*2, fwd+bwd (3S+2)*T*d*2, plus the
-projected keys (S*T*r*2 forward, 3*S*T*r*2 forward+backward).
+time of a fwd+bwd call), against the device-copy bandwidth measured in the same run.
+Minimal bytes: fwd (S+1)*T*d*2, fwd+bwd (3S+2)*T*d*2, plus the projected keys (S*T*r*2
+forward, 3*S*T*r*2 forward+backward).
 
 Peers in the same run: the torch reference backend, ``torch.compile(depth_read_naive)``
 (on the S=9 rows: each shape recompiles), and when importable FLA
@@ -352,9 +353,9 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
     """Sweep the source-tiled kernels at S=9, sliced r=d/4: forward (hand pipelining on or
     off, sources per step, warps), then backward (pipelining, sources per step, programs per
     SM) in both backward modes (saved output / recompute), each group timed in interleaved
-    rounds (bench_rounds) and by GPU busy time (device_ms); keep the fastest forward and saved-output backward settings per
-    width in ``kdr.TUNE`` for the table that follows (printed, so the run says which
-    settings produced its rows). Returns {d: settings}."""
+    rounds (bench_rounds) and by GPU busy time (device_ms); keep the fastest forward and
+    saved-output backward settings per width in ``kdr.TUNE`` for the table that follows
+    (printed, so the run says which settings produced its rows). Returns {d: settings}."""
     S = 9
     best = {}
     base = dict(kdr.TUNE)  # LRATTN_KERNELS_TUNE, restored at the end

@@ -12,11 +12,12 @@ pointer and row stride allows 16-byte vectors (``lrattn_kernels.depth_read._alig
 ``bar`` counts the barriers in the PTX (each cross-warp reduction costs one or two).
 ``--no-fused-sums`` compiles the sliced-key row sums as separate reductions (TUNE
 ``src_fused_sums`` = 0). ``--no-prefetch`` compiles the source loops without the hand
-pipelining (TUNE ``src_prefetch`` / ``src_bwd_prefetch`` = 0); ``--stages N`` then hands the source loops to
-Triton's pipeliner (``src_stages``), and the ``async`` column shows what it made of them:
-asynchronous copies and how many waits for all outstanding copies (``cp.async.wait_group 0``)
-they need: it reads the table entries asynchronously too and must wait for everything in
-flight before it can form the next row's address. Uses the ``ptxas`` bundled with Triton.
+pipelining (TUNE ``src_prefetch`` / ``src_bwd_prefetch`` = 0); ``--stages N`` then hands
+the source loops to Triton's pipeliner (``src_stages``), and the ``async`` column shows
+what it made of them: asynchronous copies and how many waits for all outstanding copies
+(``cp.async.wait_group 0``) they need: it reads the table entries asynchronously too and
+must wait for everything in flight before it can form the next row's address. Uses the
+``ptxas`` bundled with Triton.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def main():
                 bars = len(re.findall(r"bar\.sync", ptx))
                 ca = len(re.findall(r"cp\.async\.\w+\.shared", ptx))
                 wait_all = len(re.findall(r"cp\.async\.wait_group\s+0;", ptx))
-                print(f"{name:>4} {d:>5} {warps:>5} | {regs:>4} {progs:>8} {spill:>7} {smem:>6} {bars:>3} | "
-                      f"{lv:>4} / {ls:<4} {sv:>4} / {so:<5} | {ca:>4} / {wait_all}")
+                print(f"{name:>4} {d:>5} {warps:>5} | {regs:>4} {progs:>8} {spill:>7} "
+                      f"{smem:>6} {bars:>3} | {lv:>4} / {ls:<4} {sv:>4} / {so:<5} | "
+                      f"{ca:>4} / {wait_all}")
 
 
 if __name__ == "__main__":
