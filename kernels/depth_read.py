@@ -447,7 +447,7 @@ def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk
     # MODE 2: projected keys, pass 1: dv = a g, <g, v_i> parked in scratch, exact delta;
     # MODE 3: projected keys, pass 2: dk and the query gradient from the keys alone.
     # KC (sliced keys, modes 0 and 1): the key columns arrive as a row of their own (kf,
-    # [BL, BR], read through a table that points d - r elements into each source), so
+    # [BL, BR], read d - r elements into each value row, _key_ptrs), so
     # the query, its gradient and the correction are r wide instead of the padded row;
     # dv is stored in two parts, the value columns (a g) and the key columns (a gk + dk)
     if MODE == 3:
@@ -496,12 +496,20 @@ def _bwd_src_step(MODE: tl.constexpr, v, kf, src, smask, row64, T, d, dv_tab, dk
             if KC:
                 _store_rows(dv_tab, src, smask, vref, row64, d, cols, cols < d - r,
                             a[:, None] * g[None, :], PA, SA)
-                _store_rows(dk_tab, src, smask, vref, row64, d, rcols, rcols < r,
+                _store_rows(dv_tab, src, smask, vref, row64, d, (d - r) + rcols, rcols < r,
                             a[:, None] * gk[None, :] + dk, PA, SK)
             else:
                 dv = a[:, None] * g[None, :] + tl.where(keycol[None, :], dk, 0.0)
                 _store_rows(dv_tab, src, smask, vref, row64, d, cols, cmask, dv, PA, SA)
     return delta, gq, dex, ck
+
+
+@triton.jit
+def _key_ptrs(vp, kp, d, r, KC: tl.constexpr):
+    # KC: the sliced keys' row pointers, d - r elements into the value rows
+    if KC:
+        kp = vp + (d - r)
+    return kp
 
 
 @triton.jit
@@ -514,19 +522,23 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
     # saved output (MODE 1, HAS_OUT), delta = <g, out> is reduced after the first rows'
     # loads are issued.
     VALS: tl.constexpr = MODE != 3
-    KEYS: tl.constexpr = MODE >= 2 or KC
+    PK: tl.constexpr = MODE >= 2  # key pointers from the key tables (projected keys)
+    KEYS: tl.constexpr = PK or KC  # key rows loaded (KC: d - r elements into the values)
     if PF:
         vp, kp, src, sm = _src_ptrs(0, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref, kref, BL,
-                                    VALS, KEYS)
+                                    VALS, PK)
+        kp = _key_ptrs(vp, kp, d, r, KC)
         v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
         vp, kp, src_n, sm_n = _src_ptrs(BL, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
-                                        kref, BL, VALS, KEYS)
+                                        kref, BL, VALS, PK)
+        kp = _key_ptrs(vp, kp, d, r, KC)
         if MODE == 1 and HAS_OUT:
             delta = tl.sum(g * o, axis=0)
         for base in tl.range(0, S, BL, num_stages=1):
             v_n, kf_n = _src_rows(vp, kp, sm_n, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
             vp, kp, src_nn, sm_nn = _src_ptrs(base + 2 * BL, S, row64, v_tab, vs_tab, k_tab,
-                                              ks_tab, vref, kref, BL, VALS, KEYS)
+                                              ks_tab, vref, kref, BL, VALS, PK)
+            kp = _key_ptrs(vp, kp, d, r, KC)
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
                                                qk, keycol, r, eps, scale, g, gk, lse, delta,
@@ -537,7 +549,8 @@ def _bwd_src_pass(MODE: tl.constexpr, S, row64, T, d, v_tab, vs_tab, k_tab, ks_t
             delta = tl.sum(g * o, axis=0)
         for base in tl.range(0, S, BL, num_stages=STAGES):
             vp, kp, src, sm = _src_ptrs(base, S, row64, v_tab, vs_tab, k_tab, ks_tab, vref,
-                                        kref, BL, VALS, KEYS)
+                                        kref, BL, VALS, PK)
+            kp = _key_ptrs(vp, kp, d, r, KC)
             v, kf = _src_rows(vp, kp, sm, cols, cmask, rcols, r, VALS, KEYS, PA, SA, SK)
             delta, gq, dex, ck = _bwd_src_step(MODE, v, kf, src, sm, row64, T, d, dv_tab,
                                                dk_tab, vref, kref, da_ptr, cols, cmask, rcols,
@@ -555,8 +568,8 @@ def _bwd_src_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, vref, kref,
                     PF: tl.constexpr, FS: tl.constexpr, KC: tl.constexpr, PA: tl.constexpr,
                     SA: tl.constexpr, SK: tl.constexpr):
     # persistent: program p owns token rows p, p + P, ...; one grad_q partial per program.
-    # KC: sliced keys read as rows of their own (see _bwd_src_step); the key tables point
-    # d - r elements into the sources and their gradients
+    # KC: sliced keys read as rows of their own (see _bwd_src_step), d - r elements into
+    # the rows of the value tables (sources and their gradients)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -770,13 +783,16 @@ def _sm_count(index: Optional[int]) -> int:
 
 
 def _src_key_chunk(d: int, r: int) -> bool:
-    """KC of the source-tiled backward (TUNE key ``src_bwd_key_chunk``, off by default until
-    measured on a GPU): sliced keys read as rows of their own, so that the query, its
-    gradient and the correction accumulator are r wide instead of the padded row width
-    (fewer registers: ``tools/kernel_ptx.py --key-chunk``). Only where r pads to less
-    than the row (pow2(r) < pow2(d)); the key columns are then read twice per step (the
-    second time from cache) and a step has two row reductions instead of one."""
-    return bool(TUNE.get("src_bwd_key_chunk", 0)) and pow2(r) < pow2(d)
+    """KC of the source-tiled backward (TUNE key ``src_bwd_key_chunk``, on by default, 0
+    = off): sliced keys read as rows of their own, so that the query, its gradient and
+    the correction accumulator are r wide instead of the padded row width (fewer
+    registers, ``tools/kernel_ptx.py --key-chunk``: 4 warps, r = d/4, 159 -> 96 at
+    d=2048, 254 -> 168 at d=4096). Only where r pads to less than the row (pow2(r) <
+    pow2(d)); the key columns are then read twice per step (the second time from cache)
+    and a step has two row reductions instead of one. H200, S=9, bf16, fwd+bwd by GPU
+    busy time: 74.5 -> 77.2% of copy at d=2048, 76.5 -> 82.1% at d=4096
+    (benchmarks/results/kernels_key_rows_sweep_2026-12-01.log)."""
+    return bool(TUNE.get("src_bwd_key_chunk", 1)) and pow2(r) < pow2(d)
 
 
 def _src_programs(T: int, dev: torch.device) -> int:
@@ -880,13 +896,11 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
     kc = not projected and _impl(d) == "src" and _src_key_chunk(d, r)
     if projected:
         (v_tab, vs_tab), (dv_tab, _), (k_tab, ks_tab), (dk_tab, _) = _tables(vs, dvs, ks, dks)
-    elif kc:
-        # the key columns as rows of their own: views d - r elements into each source and
-        # each gradient (same row strides)
-        br = pow2(r)
-        (v_tab, vs_tab), (dv_tab, _), (k_tab, ks_tab), (dk_tab, _) = _tables(
-            vs, dvs, [v[:, d - r:] for v in vs], [dv[:, d - r:] for dv in dvs])
     else:
+        # sliced keys: their columns are the last r of each value row (KC: read as rows of
+        # their own, d - r elements into each row, through the value tables)
+        if kc:
+            br = pow2(r)
         (v_tab, vs_tab), (dv_tab, _) = _tables(vs, dvs)
         k_tab, ks_tab, dk_tab = v_tab, vs_tab, dv_tab
     kref = ks[0] if projected else vs[0]

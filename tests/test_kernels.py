@@ -241,9 +241,10 @@ def test_parity_large_bf16(name, save_output):
 @pytest.mark.parametrize("save_output", [True, False], ids=["saved_out", "recompute"])
 @pytest.mark.parametrize("name", ["d2048_S9_sliced", "d2560_S9_sliced", "d8192_S9_sliced",
                                   "d1000_S64_sliced"])
-def test_key_chunk_large_bf16(name, save_output, monkeypatch):
-    """The backward with the sliced keys as rows of their own, at the large shapes."""
-    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", 1)
+def test_key_chunk_off_large_bf16(name, save_output, monkeypatch):
+    """The backward with the sliced keys read inside the value rows (src_bwd_key_chunk=0;
+    the default reads them as rows of their own), at the large shapes."""
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", 0)
     T, d, r, S, projected = GPU_SHAPES[name]
     check(T, d, r, S, torch.bfloat16, projected, save_output)
 
@@ -268,18 +269,22 @@ def test_source_tiles_and_stages(projected, impl, monkeypatch):
             check(T, d, r, S + 5, dtype, projected)
 
 
+@pytest.mark.parametrize("key_chunk", [1, 0], ids=["key_rows", "keys_in_rows"])
 @pytest.mark.parametrize("name", ["sliced", "r_one", "one_source", "many_sources",
                                   "odd_d_1000", "one_token"])
-def test_key_chunk_backward(name, impl, monkeypatch):
-    """The source-tiled backward with the sliced keys read as rows of their own
-    (src_bwd_key_chunk; r-wide query gradient and correction, dv stored in two parts)
-    meets the same table: fp32 and bf16, saved output or not, hand pipelining on and off,
-    key offsets d - r that are whole 16-byte vectors and ones that are not (d=1000)."""
+def test_key_chunk_backward(name, key_chunk, impl, monkeypatch):
+    """The source-tiled backward with the sliced keys read as rows of their own (the
+    default, src_bwd_key_chunk=1; r-wide query gradient and correction, dv stored in two
+    parts) or inside the value rows (0) meets the same table: fp32 and bf16, saved output
+    or not, hand pipelining on and off, key offsets d - r that are whole 16-byte vectors
+    and ones that are not (d=1000)."""
     if impl != 1:
         pytest.skip("source-tiled kernels only")
-    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", 1)
+    monkeypatch.delitem(kdr.TUNE, "src_bwd_key_chunk", raising=False)
     T, d, r, S, projected = STRESS[name]
-    assert kdr._src_key_chunk(d, r)
+    assert kdr._src_key_chunk(d, r)  # the default where r pads to less than the row
+    monkeypatch.setitem(kdr.TUNE, "src_bwd_key_chunk", key_chunk)
+    assert kdr._src_key_chunk(d, r) == bool(key_chunk)
     for dtype in (torch.float32, torch.bfloat16):
         for save_output in (True, False):
             check(T, d, r, S, dtype, projected, save_output)
