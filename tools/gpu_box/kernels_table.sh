@@ -6,6 +6,7 @@
 #   GIT_SHA=<sha> bash tools/gpu_box/kernels_table.sh [bench args, e.g. --sources 9]
 # (carry .whl/ with megatron-core and, for the peers, fla-core and fast-attnres wheels).
 # Budget: about 8 minutes; each step has its own time limit so that the log always returns.
+# TABLE_S: the table's time limit (default 300 s); SKIP_MODEL=1 stops after the table.
 set -uo pipefail
 export PYTHONWARNINGS=ignore
 HEADER="depth-read kernels at their defaults" source "$(dirname "$0")/common.sh"
@@ -21,6 +22,9 @@ clocks before
 timeout "${TABLE_S:-300}" python3 benchmarks/bench_depth_read.py --csv "$OUT/depth_read.csv" \
     --no-compile "$@" 2>&1 | tee -a "$OUT/log"
 clocks after
+if [ -n "${SKIP_MODEL:-}" ]; then  # SKIP_MODEL=1: the kernels' tests and table only
+    exit 0
+fi
 log "== bf16 model tests on CUDA (two-phase and per-site reads through the kernels)"
 timeout 120 "${PT[@]}" tests/test_two_phase_model.py -k "bf16" 2>&1 | tail -4 | tee -a "$OUT/log"
 python3 -c "from megatron_lrattn.data.default_corpus import ensure_default_data as e; e()" \
