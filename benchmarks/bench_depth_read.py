@@ -390,7 +390,8 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         bwd = {}
         # (saved output, hand pipelining, sources per step, warps, programs per SM, fused row
         # sums, register cap: None = the default SRC_MAXNREG, 0 = none, keys as rows of
-        # their own); the first is the default; the forward keeps the best setting above.
+        # their own, the default where r pads to less than the row); the first is the
+        # default; the forward keeps the best setting above.
         # A register cap buys programs per SM with spills (tools/kernel_ptx.py --maxnreg);
         # with the keys as rows of their own (--key-chunk) the backward needs 96 registers
         # at d=2048 (5 programs per SM; 80: 6) and 168 at d=4096 (3; 128: 4, 132 bytes
@@ -400,6 +401,8 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
                 (True, 1, 1, 4, 8, 1, 0, 1), (True, 1, 1, 4, 8, 1, 96, 1),
                 (True, 1, 1, 4, 8, 1, 80, 1), (True, 1, 1, 4, 8, 1, 128, 1),
                 (True, 1, 1, 8, 8, 1, 0, 1), (True, 1, 1, 4, 16, 1, 96, 1),
+                (True, 1, 2, 4, 8, 1, 0, 1), (True, 1, 2, 4, 8, 1, 128, 1),
+                (True, 1, 2, 8, 8, 1, 0, 1),
                 (False, 1, 1, 4, 8, 1, None, 0), (False, 1, 1, 4, 8, 1, 96, 1)):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
             cfg = dict(src_bwd_sources=bl, src_bwd_warps=warps, src_bwd_stages=1,
