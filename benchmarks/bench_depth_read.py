@@ -397,13 +397,14 @@ def src_sweep(T, copy_tbps, widths=(2048, 4096)):
         # at d=2048 (5 programs per SM; 80: 6) and 168 at d=4096 (3; 128: 4, 132 bytes
         # spilled; 8 warps: 115, 2 programs).
         for save, pf, bl, warps, ctas, fs, cap, kc in (
-                (True, 1, 1, 4, 8, 1, None, 0), (True, 1, 1, 4, 8, 1, 0, 0),
-                (True, 1, 1, 4, 8, 1, 0, 1), (True, 1, 1, 4, 8, 1, 96, 1),
-                (True, 1, 1, 4, 8, 1, 80, 1), (True, 1, 1, 4, 8, 1, 128, 1),
+                (True, 1, 1, 4, 8, 1, None, 1), (True, 1, 1, 4, 8, 1, None, 0),
+                (True, 1, 1, 4, 8, 1, 0, 0), (True, 1, 1, 4, 8, 1, 0, 1),
+                (True, 1, 1, 4, 8, 1, 96, 1), (True, 1, 1, 4, 8, 1, 80, 1),
+                (True, 1, 1, 4, 8, 1, 128, 1),
                 (True, 1, 1, 8, 8, 1, 0, 1), (True, 1, 1, 4, 16, 1, 96, 1),
                 (True, 1, 2, 4, 8, 1, 0, 1), (True, 1, 2, 4, 8, 1, 128, 1),
                 (True, 1, 2, 8, 8, 1, 0, 1),
-                (False, 1, 1, 4, 8, 1, None, 0), (False, 1, 1, 4, 8, 1, 96, 1)):
+                (False, 1, 1, 4, 8, 1, None, 1), (False, 1, 1, 4, 8, 1, None, 0)):
             fn = functools.partial(kdr.depth_read_triton, save_output=save)
             cfg = dict(src_bwd_sources=bl, src_bwd_warps=warps, src_bwd_stages=1,
                        src_bwd_prefetch=pf, src_ctas_per_sm=ctas, src_bwd_fused_sums=fs,
