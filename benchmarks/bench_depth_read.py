@@ -628,6 +628,11 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
     return rows
 
 
+# table rows per width: label -> (key kind of depth_read, r)
+KEY_KINDS = {"sliced": lambda d: ("sliced", d // 4), "attnres": lambda d: ("sliced", d),
+             "projected": lambda d: ("projected", d // 4)}
+
+
 def main():
     global DEVICE, ROUNDS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -635,6 +640,9 @@ def main():
     ap.add_argument("--widths", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--sources", type=int, nargs="+", default=[4, 9, 17])
     ap.add_argument("--extra", default="", help="more d:S pairs, comma separated (e.g. 2048:33)")
+    ap.add_argument("--keys", nargs="+", choices=KEY_KINDS, default=list(KEY_KINDS),
+                    help="key kinds of the table rows: sliced r=d/4, attnres (r=d), "
+                         "projected r=d/4")
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "depth_read.csv"))
     ap.add_argument("--sweep", action="store_true",
@@ -713,8 +721,8 @@ def main():
                 kdr.TUNE.update(base, **tuned.get(d, {}))
                 print(f"d={d}: source-tiled settings from the sweep {tuned.get(d, 'none')}",
                       flush=True)
-            for keys_kind, r in (("sliced", d // 4), ("sliced", d), ("projected", d // 4)):
-                label = "attnres" if r == d else keys_kind
+            for label in args.keys:
+                keys_kind, r = KEY_KINDS[label](d)
                 print(f"T={T} d={d} S={S} r={r} {label}", flush=True)
                 shape_rows = bench_shape(T, d, r, S, keys_kind, copy_tbps, meta,
                                          compile_peer=not args.no_compile)

@@ -38,6 +38,22 @@ def test_smoke_run_writes_checked_rows(tmp_path):
     assert "% of copy bandwidth, wall time per call" in proc.stdout
 
 
+def test_keys_filter_selects_rows(tmp_path):
+    """--keys runs only the named key kinds (here AttnRes, r = d) and rejects others."""
+    out = tmp_path / "rows.csv"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(BENCH), "--smoke", "--tokens", "2", "--widths", "512",
+           "--sources", "2", "--no-compile", "--rounds", "1", "--csv", str(out)]
+    proc = subprocess.run(cmd + ["--keys", "attnres"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert rows and {(r["keys"], r["r"]) for r in rows} == {("sliced", "512")}
+    bad = subprocess.run(cmd + ["--keys", "full"], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    assert bad.returncode == 2 and "invalid choice: 'full'" in bad.stderr
+
+
 def test_rounds_interleave_candidates(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
