@@ -92,7 +92,9 @@ def main():
     ap.add_argument("--no-prefetch", action="store_true",
                     help="source loops without the hand pipelining")
     ap.add_argument("--key-chunk", type=int, default=0, metavar="R",
-                    help="backward with the sliced keys read as rows of their own (KC), r=R")
+                    help="backward with the sliced keys read as rows of their own (KC, the "
+                         "kernels' default where pow2(r) < pow2(d)), r=R; without it the "
+                         "keys are read inside the rows, as for AttnRes (r = d)")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap per thread of both kernels, 0 = none (default: the "
                          "kernels' own, SRC_MAXNREG)")
