@@ -157,8 +157,7 @@ class _DepthMergeTriton(torch.autograd.Function):
         bt, bd, br, warps = _tiles(d, r, T)
         n_blocks = triton.cdiv(T, bt)
         if dev.type == "cuda":
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            nprog = min(n_blocks, sms * _dr.TUNE.get("merge_ctas_per_sm", 4))
+            nprog = min(n_blocks, _dr._sm_count(dev.index) * _dr.TUNE.get("merge_ctas_per_sm", 4))
         else:
             nprog = min(n_blocks, 2)
         parts = _dr._alloc((nprog, r), torch.float32, dev)

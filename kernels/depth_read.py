@@ -761,7 +761,11 @@ def _src_fused_sums(backward: bool) -> int:
 # bytes spilled) and fwd+bwd went from 66.3% to 74.5% of copy bandwidth. The forward at
 # d=4096 needs 149, 3 programs; capped, 4, and the forward went from 78.9% to 90.2%. The
 # same cap on the d=4096 backward (254 registers, 812 bytes spilled) halved its speed, and
-# 96 at d=2048 (200 bytes spilled) lost 10 points: other widths stay uncapped.
+# 96 at d=2048 (200 bytes spilled) lost 10 points: other widths stay uncapped. With the
+# sliced keys as rows of their own (the default, _src_key_chunk) the d=2048 backward
+# compiles to 96 registers uncapped, yet the 128 cap still measured faster (77.4% against
+# 74.5% uncapped, benchmarks/results/kernels_key_rows_sweep2_2026-12-01.log); AttnRes
+# (r = d) keeps the 159-register kernel above.
 SRC_MAXNREG = {False: {4096: 128}, True: {2048: 128}}
 
 

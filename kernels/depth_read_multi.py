@@ -406,8 +406,7 @@ def _prefetch(backward: bool = False) -> int:
 
 def _programs(n_blocks: int, dev: torch.device) -> int:
     if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        return min(n_blocks, sms * _dr.TUNE.get("multi_ctas_per_sm", 2))
+        return min(n_blocks, _dr._sm_count(dev.index) * _dr.TUNE.get("multi_ctas_per_sm", 2))
     return min(n_blocks, 2)
 
 
