@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lrattn_kernels import depth_read as _dr
+from lrattn_kernels import multi_chunked as _mc
 from lrattn_kernels.depth_read import _check_envelope, _load_value, _rows, _tables
 
 # fp32 accumulator elements per program (BT * BK * BD); d=2048 with K<=8 fits one group
@@ -364,8 +365,9 @@ def _bwd2d_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_tab, g_tab, gs_tab, v
 
 
 def _impl() -> int:
-    """3: the 3-D tiles (default); 2: the 2-D variant (``TUNE["multi_impl"]``)."""
-    return int(_dr.TUNE.get("multi_impl", 3))
+    """4: the width-chunked passes of ``lrattn_kernels.multi_chunked`` (default); 3: the
+    3-D tiles below; 2: the 2-D variant (``TUNE["multi_impl"]``)."""
+    return int(_dr.TUNE.get("multi_impl", 4))
 
 
 def _tiles2d(d: int, r: int, K: int, T: int) -> Tuple[int, int, int, int, int]:
@@ -533,13 +535,14 @@ def depth_read_multi_triton(
     d, r = shape[-1], queries.shape[-1]
     vs = [_rows(v, d) for v in values]
     ks = [_rows(k, r) for k in keys] if keys is not None else []
-    group = _dr.TUNE.get("multi_group", max(1, MAX_TILE // _dr.pow2(d))
-                         if _impl() != 2 else 16)
+    impl = _impl()
+    default_group = {4: _mc.MAX_GROUP, 3: max(1, MAX_TILE // _dr.pow2(d)), 2: 16}[impl]
+    group = _dr.TUNE.get("multi_group", default_group)
+    fn = _mc.MultiChunked if impl == 4 else _DepthReadMultiTriton
     outs: List[Tensor] = []
     lses: List[Tensor] = []
     for k0 in range(0, queries.shape[0], group):
-        res = _DepthReadMultiTriton.apply(queries[k0:k0 + group], eps, scale, split, len(vs),
-                                          *vs, *ks)
+        res = fn.apply(queries[k0:k0 + group], eps, scale, split, len(vs), *vs, *ks)
         outs += [o.reshape(shape) for o in res[:-1]] if split else [res[0]]
         lses.append(res[-1])
     K = queries.shape[0]

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 import lrattn_kernels.depth_merge as kmg  # noqa: E402
 import lrattn_kernels.depth_read as kdr  # noqa: E402
 import lrattn_kernels.depth_read_multi as kmr  # noqa: E402
+import lrattn_kernels.multi_chunked as kmc  # noqa: E402
 from megatron_lrattn.ops import (  # noqa: E402
     depth_merge,
     depth_read,
@@ -32,8 +33,9 @@ from megatron_lrattn.ops import (  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton.runtime.interpreter import InterpretedFunction
 
-    for mod in (kdr, kmr, kmg):
-        if not isinstance(getattr(mod, "_fwd_kernel"), InterpretedFunction):
+    for mod, kernel in ((kdr, "_fwd_kernel"), (kmr, "_fwd_kernel"), (kmg, "_fwd_kernel"),
+                        (kmc, "_values_kernel")):
+        if not isinstance(getattr(mod, kernel), InterpretedFunction):
             importlib.reload(mod)
 
 CUDA = torch.cuda.is_available()

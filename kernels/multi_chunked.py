@@ -1,0 +1,392 @@
+"""Phase 1 of the two-phase block schedule in width-chunked passes (the default phase 1).
+
+    s_ik = scale * <q_k, RMS(key_i)>,  lse_k = logsumexp_i s_ik,
+    out_k = sum_i exp(s_ik - lse_k) v_i                  (K read sites, S completed sources)
+
+The logits need only the r key columns, so they are computed once per block in their own
+pass and kept as per-token fp32 scalars; the d-wide work then splits into column chunks, so
+a program holds K chunk accumulators instead of K whole rows (the register limit of the
+kernels in ``depth_read_multi``, which keep one program per SM):
+
+forward   ``_logits_kernel``  keys -> s [T, S, K], rstd [T, S], lse [K, T] (fp32 scalars)
+          ``_values_kernel``  one token x BC columns per program: out_k += a_ik v_i
+backward  ``_dots_kernel``    one token x BC1 columns: partial <g_k, v_i> [T, NC1, S, K]
+          ``_dvalues_kernel`` one token x BC columns (persistent over tokens):
+                              dv_i = sum_k a_ik g_k, plus, on chunks holding sliced key
+                              columns, the key gradient and the query-gradient partials
+          ``_dkeys_kernel``   projected keys: dk_i and the query-gradient partials
+
+Each source row is read once per pass; nothing [T, d]-sized is kept in fp32 (the saved
+tensors are the inputs, s, rstd and lse). Query gradients: fixed-order per-program partials
+reduced afterwards, no atomics. Derivation: ``kernels/README.md`` ("Phase 1 in chunks").
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lrattn_kernels import depth_read as _dr
+from lrattn_kernels.depth_read import _alloc, _tables, pow2
+
+# queries per kernel call: K accumulators of BC columns are held per program
+MAX_GROUP = 8
+
+
+@triton.jit
+def _row_chunk(tab, st_tab, i, ref, row64, cols, cmask, A: tl.constexpr):
+    # [BC] columns ``cols`` of row ``row64`` of table entry i, in fp32
+    p = tl.load(tab + i).to(tl.pointer_type(ref.dtype.element_ty)) + row64 * tl.load(st_tab + i)
+    ptrs = p + cols
+    if A:  # 16-byte vectors (alignment checked on the host, see depth_read._load_rows)
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), 16)
+    return tl.load(ptrs, mask=cmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _logits_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr,
+                   T, S, K, d, r, eps, scale,
+                   PROJECTED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   BR: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    rcols = tl.arange(0, BR)
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    km = rmask[:, None] & (rcols < r)[None, :]
+    m = tl.full([BT, BK], float("-inf"), tl.float32)
+    l = tl.zeros([BT, BK], tl.float32)
+    for i in range(S):
+        if PROJECTED:
+            p = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+            kf = tl.load(p + rows64[:, None] * tl.load(ks_tab + i) + rcols[None, :], mask=km,
+                         other=0.0)
+        else:
+            p = tl.load(v_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+            kf = tl.load(p + rows64[:, None] * tl.load(vs_tab + i) + (rcols + (d - r))[None, :],
+                         mask=km, other=0.0)
+        kf = kf.to(tl.float32)  # [BT, BR]
+        rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
+        s = tl.zeros([BT, BK], tl.float32)
+        for k in range(K):
+            q = tl.load(q_ptr + k * r + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+            sk = tl.sum(kf * q[None, :], axis=1) * (scale * rstd)
+            s = tl.where(kk[None, :] == k, sk[:, None], s)
+        tl.store(s_ptr + (rows64[:, None] * S + i) * K + kk[None, :], s,
+                 mask=rmask[:, None] & kmask[None, :])
+        tl.store(rstd_ptr + rows64 * S + i, rstd, mask=rmask)
+        m_new = tl.maximum(m, s)
+        l = l * tl.exp(m - m_new) + tl.exp(s - m_new)
+        m = m_new
+    tl.store(lse_ptr + kk[None, :].to(tl.int64) * T + rows64[:, None], m + tl.log(l),
+             mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
+                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr):
+    # program (chunk, token): out_k[t, chunk] = sum_i a_ik v_i[t, chunk] for all k
+    c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    cols = c * BC + tl.arange(0, BC)
+    cmask = cols < d
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+    acc = tl.zeros([BK, BC], tl.float32)
+    v = _row_chunk(v_tab, vs_tab, 0, vref, t, cols, cmask, A)
+    for i in range(S):
+        # the next source's row is in flight while this one is accumulated
+        v_next = _row_chunk(v_tab, vs_tab, tl.minimum(i + 1, S - 1), vref, t, cols,
+                            cmask & (i + 1 < S), A)
+        a = tl.exp(tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf")) - lse)
+        acc += a[:, None] * v[None, :]
+        v = v_next
+    op = tl.load(o_tab + kk, mask=kmask, other=0).to(tl.pointer_type(oref.dtype.element_ty))
+    ptrs = op[:, None] + t * d + cols[None, :]
+    if A:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 16])
+    tl.store(ptrs, acc.to(oref.dtype.element_ty), mask=kmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A: tl.constexpr):
+    # [BK, BC] fp32 columns ``cols`` of row t of the K output gradients
+    gp = tl.load(g_tab + kk, mask=kmask, other=0).to(tl.pointer_type(gref.dtype.element_ty))
+    ptrs = gp[:, None] + t * tl.load(gs_tab + kk, mask=kmask, other=0)[:, None] + cols[None, :]
+    if A:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 16])
+    return tl.load(ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, vref, gref, dots_ptr, S, K, d, NC1,
+                 BK: tl.constexpr, BC1: tl.constexpr, A: tl.constexpr):
+    # program (chunk, token): dots[t, chunk, i, k] = <g_k, v_i> over the chunk's columns
+    c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    cols = c * BC1 + tl.arange(0, BC1)
+    cmask = cols < d
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
+    base = dots_ptr + (t * NC1 + c) * S * K
+    v = _row_chunk(v_tab, vs_tab, 0, vref, t, cols, cmask, A)
+    for i in range(S):
+        v_next = _row_chunk(v_tab, vs_tab, tl.minimum(i + 1, S - 1), vref, t, cols,
+                            cmask & (i + 1 < S), A)
+        tl.store(base + i * K + kk, tl.sum(g * v[None, :], axis=1), mask=kmask)
+        v = v_next
+
+
+@triton.jit
+def _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse, delta, dlse, kk, kmask, r):
+    # for source i at token t: a_ik, ds_ik, s_ik [BK], rstd_i and c_i = rstd^2/r sum_k ds s
+    s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
+    a = tl.exp(s - lse)
+    dot = tl.zeros_like(a)
+    for c in range(NC1):
+        dot += tl.load(dots_ptr + ((t * NC1 + c) * S + i) * K + kk, mask=kmask, other=0.0)
+    ds = a * (dot - delta + dlse)
+    rstd = tl.load(rstd_ptr + t * S + i)
+    c_i = rstd * rstd / r * tl.sum(tl.where(kmask, ds * s, 0.0), axis=0)
+    return a, ds, rstd, c_i
+
+
+@triton.jit
+def _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr, kk, kmask,
+                 BS: tl.constexpr):
+    # lse, dlse and delta_k = sum_i a_ik <g_k, v_i> (exact, fp32) of token t: [BK] each
+    ii = tl.arange(0, BS)
+    m2 = (ii < S)[:, None] & kmask[None, :]
+    lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+    dlse = tl.load(dlse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+    s2 = tl.load(s_ptr + (t * S + ii[:, None]) * K + kk[None, :], mask=m2, other=float("-inf"))
+    dots = tl.zeros_like(s2)
+    for c in range(NC1):
+        dots += tl.load(dots_ptr + ((t * NC1 + c) * S + ii[:, None]) * K + kk[None, :], mask=m2,
+                        other=0.0)
+    delta = tl.sum(tl.exp(s2 - lse[None, :]) * dots, axis=0)
+    return lse, dlse, delta
+
+
+@triton.jit
+def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_ptr, rstd_ptr,
+                    lse_ptr, dlse_ptr, dots_ptr, gq_part_ptr, T, S, K, d, r, NC1, c0, scale,
+                    KEYS: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+                    BS: tl.constexpr, A: tl.constexpr):
+    # program (chunk c0 + c, p), persistent over tokens p, p + P, ...:
+    #   dv_i[t, chunk] = sum_k a_ik g_k[t, chunk]
+    # KEYS (chunks holding sliced key columns): + the key gradient on those columns,
+    #   dk_i = scale rstd_i sum_k ds_ik q_k - c_i k_i, and [K, chunk] query-gradient partials
+    c = c0 + tl.program_id(0)
+    p = tl.program_id(1)
+    nprog = tl.num_programs(1)
+    cols = c * BC + tl.arange(0, BC)
+    cmask = cols < d
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    if KEYS:
+        keycol = (cols >= d - r) & cmask
+        qc = tl.load(q_ptr + kk[:, None] * r + (cols - (d - r))[None, :],
+                     mask=kmask[:, None] & keycol[None, :], other=0.0).to(tl.float32)
+        gq = tl.zeros([BK, BC], tl.float32)
+    for tt in range(p, T, nprog):
+        t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
+        g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
+        if KEYS:
+            lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr,
+                                            kk, kmask, BS)
+        else:
+            lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+        for i in range(S):
+            if KEYS:
+                a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
+                                               delta, dlse, kk, kmask, r)
+                v = tl.where(keycol, _row_chunk(v_tab, vs_tab, i, vref, t, cols, keycol, A), 0.0)
+                dk = (scale * rstd) * tl.sum(ds[:, None] * qc, axis=0) - v * c_i
+                dv = tl.sum(a[:, None] * g, axis=0) + tl.where(keycol, dk, 0.0)
+                gq += (ds * (scale * rstd))[:, None] * v[None, :]
+            else:
+                s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
+                dv = tl.sum(tl.exp(s - lse)[:, None] * g, axis=0)
+            dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
+            if A:
+                dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
+            tl.store(dp, dv.to(vref.dtype.element_ty), mask=cmask)
+    if KEYS:
+        tl.store(gq_part_ptr + (p.to(tl.int64) * K + kk[:, None]) * r + (cols - (d - r))[None, :],
+                 gq, mask=kmask[:, None] & keycol[None, :])
+
+
+@triton.jit
+def _dkeys_kernel(k_tab, ks_tab, dk_tab, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr, dlse_ptr,
+                  dots_ptr, gq_part_ptr, T, S, K, r, NC1, scale,
+                  BK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+    # projected keys, persistent over tokens: dk_i[t] and [K, r] query-gradient partials
+    p = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rcols = tl.arange(0, BR)
+    rm = rcols < r
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    q = tl.load(q_ptr + kk[:, None] * r + rcols[None, :], mask=kmask[:, None] & rm[None, :],
+                other=0.0).to(tl.float32)
+    gq = tl.zeros([BK, BR], tl.float32)
+    for tt in range(p, T, nprog):
+        t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
+        lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr,
+                                        kk, kmask, BS)
+        for i in range(S):
+            a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
+                                           delta, dlse, kk, kmask, r)
+            kp = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+            kf = tl.load(kp + t * tl.load(ks_tab + i) + rcols, mask=rm, other=0.0).to(tl.float32)
+            dk = (scale * rstd) * tl.sum(ds[:, None] * q, axis=0) - kf * c_i
+            dkp = tl.load(dk_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+            tl.store(dkp + t * r + rcols, dk.to(kref.dtype.element_ty), mask=rm)
+            gq += (ds * (scale * rstd))[:, None] * kf[None, :]
+    tl.store(gq_part_ptr + (p.to(tl.int64) * K + kk[:, None]) * r + rcols[None, :], gq,
+             mask=kmask[:, None] & rm[None, :])
+
+
+def _tune(key: str, default: int) -> int:
+    return int(_dr.TUNE.get(key, default))
+
+
+def _chunk(d: int, key: str, default: int) -> int:
+    """Column chunk of a pass (TUNE ``key``): a power of two, at most the padded width."""
+    return max(16, min(pow2(_tune(key, default)), pow2(d)))
+
+
+def _warps(key: str, bc: int, bk: int) -> int:
+    # default: 8 chunk columns per thread (16-byte bf16 vectors), at most 8 warps
+    return _tune(key, max(1, min(8, bc // 256)))
+
+
+def _aligned(groups: Sequence[Sequence[Tensor]], d: int) -> bool:
+    """Whether every row of every tensor starts on 16 bytes and holds whole 16-byte vectors
+    (then rows move in 16-byte vectors)."""
+    ts = [t for g in groups for t in g]
+    vec = 16 // ts[0].element_size()
+    return (d % vec == 0 and all(t.data_ptr() % 16 == 0 and t.stride(0) % vec == 0 for t in ts)
+            and all(t.element_size() == ts[0].element_size() for t in ts))
+
+
+def _programs(n: int, dev: torch.device, key: str, per_sm: int) -> int:
+    if dev.type == "cuda":
+        return max(1, min(n, _dr._sm_count(dev.index) * _tune(key, per_sm)))
+    return max(1, min(n, 2))
+
+
+def forward(vs: List[Tensor], ks: List[Tensor], q: Tensor, eps: float, scale: float,
+            split: bool):
+    """(outs, lse, s, rstd) of one query group; outs: K tensors [T, d] or one [K, T, d]."""
+    T, d = vs[0].shape
+    K, r = q.shape
+    S = len(vs)
+    dev = vs[0].device
+    outs = ([_alloc((T, d), vs[0].dtype, dev) for _ in range(K)] if split
+            else _alloc((K, T, d), vs[0].dtype, dev))
+    lse = _alloc((K, T), torch.float32, dev)
+    s = _alloc((T, S, K), torch.float32, dev)
+    rstd = _alloc((T, S), torch.float32, dev)
+    if T == 0:
+        return outs, lse, s, rstd
+    projected = len(ks) > 0
+    out_list = list(outs)
+    if projected:
+        (v_tab, vs_tab), (k_tab, ks_tab), (o_tab, _) = _tables(vs, ks, out_list)
+    else:
+        (v_tab, vs_tab), (o_tab, _) = _tables(vs, out_list)
+        k_tab, ks_tab = v_tab, vs_tab
+    bk, br = pow2(K), max(16, pow2(r))
+    bt = max(1, min(_tune("mc_logit_tile", 4096) // br, pow2(T)))
+    _logits_kernel[(triton.cdiv(T, bt),)](
+        v_tab, vs_tab, k_tab, ks_tab, vs[0], ks[0] if projected else vs[0], q, s, rstd, lse,
+        T, S, K, d, r, eps, scale, PROJECTED=projected, BT=bt, BK=bk, BR=br,
+        num_warps=_tune("mc_logit_warps", 4))
+    bc = _chunk(d, "mc_chunk", 1024)
+    _values_kernel[(triton.cdiv(d, bc), T)](
+        v_tab, vs_tab, o_tab, vs[0], out_list[0], s, lse, T, S, K, d, BK=bk, BC=bc,
+        A=_aligned([vs, out_list], d), num_warps=_warps("mc_warps", bc, bk))
+    return outs, lse, s, rstd
+
+
+def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Tensor,
+             lse: Tensor, grads: Sequence[Tensor], dlse: Tensor, scale: float):
+    """(grad of q [K, r] fp32, value gradients, projected-key gradients) of one group."""
+    T, d = vs[0].shape
+    K, r = q.shape
+    S = len(vs)
+    dev = vs[0].device
+    projected = len(ks) > 0
+    dvs = [_alloc((T, d), v.dtype, dev) for v in vs]
+    dks = [_alloc((T, r), k.dtype, dev) for k in ks]
+    if T == 0:
+        return torch.zeros_like(q, dtype=torch.float32), [t.zero_() for t in dvs], \
+            [t.zero_() for t in dks]
+    gs = [_dr._rows(g.to(vs[0].dtype), d) for g in grads]
+    dlse = dlse.float().contiguous()
+    bk, bs = pow2(K), pow2(S)
+    bc1 = _chunk(d, "mc_dots_chunk", 1024)
+    nc1 = triton.cdiv(d, bc1)
+    dots = _alloc((T, nc1, S, K), torch.float32, dev)
+    groups = [vs, dvs, gs] + ([ks, dks] if projected else [])
+    tabs = _tables(*groups)
+    (v_tab, vs_tab), (dv_tab, _), (g_tab, gs_tab) = tabs[:3]
+    aligned = _aligned([vs, dvs, gs], d)
+    _dots_kernel[(nc1, T)](
+        v_tab, vs_tab, g_tab, gs_tab, vs[0], gs[0], dots, S, K, d, nc1, BK=bk, BC1=bc1,
+        A=aligned, num_warps=_warps("mc_dots_warps", bc1, bk))
+    bc = _chunk(d, "mc_bwd_chunk", 512)
+    nc = triton.cdiv(d, bc)
+    c0 = nc if projected else (d - r) // bc  # chunks from c0 on hold sliced key columns
+    nprog = _programs(T, dev, "mc_ctas_per_sm", 4)
+    parts = _alloc((nprog, K, r), torch.float32, dev)
+    warps = _warps("mc_bwd_warps", bc, bk)
+    args = (v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], q, s, rstd, lse, dlse, dots,
+            parts, T, S, K, d, r, nc1)
+    if c0 > 0:
+        _dvalues_kernel[(c0, nprog)](*args, 0, scale, KEYS=False, BK=bk, BC=bc, BS=bs,
+                                     A=aligned, num_warps=warps)
+    if c0 < nc:
+        _dvalues_kernel[(nc - c0, nprog)](*args, c0, scale, KEYS=True, BK=bk, BC=bc, BS=bs,
+                                          A=aligned, num_warps=warps)
+    if projected:
+        (k_tab, ks_tab), (dk_tab, _) = tabs[3:]
+        _dkeys_kernel[(nprog,)](
+            k_tab, ks_tab, dk_tab, ks[0], q, s, rstd, lse, dlse, dots, parts, T, S, K, r, nc1,
+            scale, BK=bk, BR=max(16, pow2(r)), BS=bs, num_warps=_tune("mc_keys_warps", 4))
+    return parts.sum(0), dvs, dks
+
+
+class MultiChunked(torch.autograd.Function):
+    """One query group of phase 1 on flattened [T, d] sources (``depth_read_multi``'s
+    default implementation); outputs K tensors (split) or one [K, T, d], then lse."""
+
+    @staticmethod
+    def forward(ctx, queries, eps, scale, split, nv, *tensors):
+        vs, ks = list(tensors[:nv]), list(tensors[nv:])
+        q = queries.contiguous()
+        outs, lse, s, rstd = forward(vs, ks, q, eps, scale, split)
+        ctx.save_for_backward(q, lse, s, rstd, *tensors)
+        ctx.scale, ctx.nv, ctx.split = scale, nv, split
+        return (*outs, lse) if split else (outs, lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        q, lse, s, rstd, *rest = ctx.saved_tensors
+        vs, ks = list(rest[:ctx.nv]), list(rest[ctx.nv:])
+        douts, dlse = grads[:-1], grads[-1]
+        if not ctx.split:
+            douts = list(douts[0].unbind(0))
+        gq, dvs, dks = backward(vs, ks, q, s, rstd, lse, douts, dlse, ctx.scale)
+        gq = gq.to(q.dtype) if ctx.needs_input_grad[0] else None
+        return (gq, None, None, None, None, *dvs, *dks)
