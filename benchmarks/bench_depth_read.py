@@ -598,8 +598,12 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
     nbytes = {"fwd": (S + 2 * K - 1) * T * d * 2 + kb,
               "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2 + 3 * kb}
     rows = []
-    for name, fn, tol in (("per_site", block_per_site(kdr.depth_read_triton), TOL_BF16),
-                          ("two_phase", block_two_phase, 2 * TOL_BF16)):
+    arms = (("per_site", block_per_site(kdr.depth_read_triton), TOL_BF16, None),
+            ("two_phase", block_two_phase, 2 * TOL_BF16, None),
+            ("two_phase_tiles3d", block_two_phase, 2 * TOL_BF16, {"multi_impl": 3}))
+    for name, fn, tol, tune in arms:
+        kdr.TUNE.clear()
+        kdr.TUNE.update(tune or {})
         row = dict(meta, T=T, d=d, S=S, r=r, keys=keys_kind, backend=f"block_K{K}_{name}",
                    copy_tbps=f"{copy_tbps:.3f}", min_mib=f"{nbytes['fwd'] / 2**20:.0f}")
         outs, gs = block_fwd_bwd(fn, inp, grads)
@@ -613,15 +617,24 @@ def bench_block(T, d, r, S, K, keys_kind, copy_tbps, meta):
         with torch.no_grad():
             t_fwd = bench(lambda: fn(**inp), rep=200)
         t_fb = bench(lambda: block_fwd_bwd(fn, inp, grads), rep=300)
-        for p, ms in (("fwd", t_fwd), ("fwdbwd", t_fb)):
+        with torch.no_grad():
+            g_fwd = device_ms(lambda: fn(**inp))
+        g_fb = device_ms(lambda: block_fwd_bwd(fn, inp, grads))
+        for p, ms, gms in (("fwd", t_fwd, g_fwd), ("fwdbwd", t_fb, g_fb)):
             tbps = nbytes[p] / ms / 1e9
             rows.append(dict(row, **{
                 "pass": p, "ms": f"{ms:.4f}", "gbytes": f"{nbytes[p] / 1e9:.3f}",
                 "tbps": f"{tbps:.3f}", "pct_copy": f"{100 * tbps / copy_tbps:.1f}",
+                "gpu_ms": f"{gms:.4f}",
+                "gpu_pct_copy": f"{100 * nbytes[p] / gms / 1e9 / copy_tbps:.1f}",
                 "peak_mib": f"{peak:.0f}" if p == "fwdbwd" else ""}))
-        print(f"  {name}: fwd {t_fwd:.3f} ms ({100 * nbytes['fwd'] / t_fwd / 1e9 / copy_tbps:.1f}%)"
-              f" fwd+bwd {t_fb:.3f} ms ({100 * nbytes['fwdbwd'] / t_fb / 1e9 / copy_tbps:.1f}%)"
-              f" peak {peak:.0f} MiB  check {row['check']}", flush=True)
+
+        def pct(p, ms):
+            return f"{ms:.3f} ms ({100 * nbytes[p] / ms / 1e9 / copy_tbps:.1f}%)"
+        print(f"  {name}: wall fwd {pct('fwd', t_fwd)} fwd+bwd {pct('fwdbwd', t_fb)} | GPU busy "
+              f"fwd {pct('fwd', g_fwd)} fwd+bwd {pct('fwdbwd', g_fb)} | peak {peak:.0f} MiB  "
+              f"check {row['check']}", flush=True)
+    kdr.TUNE.clear()
     del inp, grads, ref
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -733,28 +746,43 @@ def main():
 
 
 def block_sweep(T, d, K, copy_tbps):
-    """Two-phase block (S=9, sliced r=d/4) under phase-1 tiles: queries per kernel call
-    (each call reads the sources once), warps per program, next-source prefetch."""
-    S, r = 9, d // 4
-    inp, grads = block_inputs(T, d, r, S, K, False, seed=7)
-    ref = block_fwd_bwd(block_two_phase, inp, grads)
-    nb = {"fwd": (S + 2 * K - 1) * T * d * 2, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2}
-    for group, warps, pf, bpf in ((8, 16, 2, 1), (8, 16, 0, 0), (8, 16, 1, 1), (8, 16, 3, 2),
-                                  (4, 8, 2, 1), (4, 16, 2, 1), (2, 8, 2, 1)):
+    """Two-phase block (S=9, sliced r=d/4 and AttnRes) under the tiles of the width-chunked
+    phase 1 (``lrattn_kernels.multi_chunked``): column chunk and warps of the forward value
+    pass, of the backward's dot pass and of its gradient pass, persistent programs per SM.
+    Ranked by GPU busy time; every candidate is checked against the defaults first."""
+    S = 9
+    cands = {"default": {}}
+    for bc, w in ((512, 2), (512, 4), (1024, 8), (2048, 8)):
+        cands[f"fwd chunk {bc} warps {w}"] = dict(mc_chunk=bc, mc_warps=w)
+    for bc, w in ((512, 2), (2048, 8), (1024, 2)):
+        cands[f"dots chunk {bc} warps {w}"] = dict(mc_dots_chunk=bc, mc_dots_warps=w)
+    for bc, w, c in ((512, 2, 8), (1024, 4, 4), (256, 1, 16), (512, 4, 8), (512, 4, 2)):
+        cands[f"grads chunk {bc} warps {w} ctas/SM {c}"] = dict(mc_bwd_chunk=bc, mc_bwd_warps=w,
+                                                                mc_ctas_per_sm=c)
+    for r in (d // 4, d):
+        inp, grads = block_inputs(T, d, r, S, K, False, seed=7)
         kdr.TUNE.clear()
-        kdr.TUNE.update(multi_group=group, multi_warps=warps, multi_prefetch=pf,
-                        multi_bwd_prefetch=bpf)
-        prefetch = f"{pf}/{bpf}"
-        outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
-        err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
-        with torch.no_grad():
-            tf = bench(lambda: block_two_phase(**inp), rep=100)
-        tb = bench(lambda: block_fwd_bwd(block_two_phase, inp, grads), rep=150)
-        print(f"sweep block d={d} S={S} K={K} group={group} warps={warps} "
-              f"prefetch fwd/bwd={prefetch}: "
-              f"fwd {tf:.3f} ms {100 * nb['fwd'] / tf / 1e9 / copy_tbps:.1f}% fwd+bwd {tb:.3f} ms "
-              f"{100 * nb['fwdbwd'] / tb / 1e9 / copy_tbps:.1f}% (vs default: {err:.1e})",
-              flush=True)
+        ref = block_fwd_bwd(block_two_phase, inp, grads)
+        nb = {"fwd": (S + 2 * K - 1) * T * d * 2, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2}
+        res = []
+        for name, tune in cands.items():
+            kdr.TUNE.clear()
+            kdr.TUNE.update(tune)
+            outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
+            err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
+            if err > 2 * TOL_BF16:
+                print(f"sweep block d={d} r={r} {name}: RED CHECK {err:.1e}", flush=True)
+                continue
+            with torch.no_grad():
+                gf = device_ms(lambda: block_two_phase(**inp))
+            gb = device_ms(lambda: block_fwd_bwd(block_two_phase, inp, grads))
+            res.append((gb, name))
+            print(f"sweep block d={d} S={S} K={K} r={r} {name}: GPU busy fwd {gf:.3f} ms "
+                  f"{100 * nb['fwd'] / gf / 1e9 / copy_tbps:.1f}% fwd+bwd {gb:.3f} ms "
+                  f"{100 * nb['fwdbwd'] / gb / 1e9 / copy_tbps:.1f}% (vs default: {err:.1e})",
+                  flush=True)
+        print(f"sweep block best d={d} r={r} (fwd+bwd): {sorted(res)[:3]}", flush=True)
+        del inp, grads, ref
     kdr.TUNE.clear()
 
 
