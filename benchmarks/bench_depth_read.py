@@ -679,6 +679,8 @@ def main():
     ap.add_argument("--block-sources", type=int, nargs="+", default=[5, 9],
                     help="completed sources S before the block")
     ap.add_argument("--block-sites", type=int, default=6, help="read sites K of the block")
+    ap.add_argument("--block-profile", action="store_true",
+                    help="with --block: GPU time per kernel of one block, both schedules")
     ap.add_argument("--sweep-only", action="store_true",
                     help="with --block --sweep: the sweep without the block rows")
     ap.add_argument("--no-compile", action="store_true",
@@ -786,6 +788,32 @@ def block_sweep(T, d, K, copy_tbps):
     kdr.TUNE.clear()
 
 
+def block_profile(T, d, K, S=9):
+    """GPU busy time per kernel of one block's fwd+bwd, both schedules, each key kind: where
+    the block's time goes (profiler trace of 5 calls, microseconds per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for keys_kind, r in (("sliced", d // 4), ("attnres", d), ("projected", d // 4)):
+        inp, grads = block_inputs(T, d, r, S, K, keys_kind == "projected", seed=3)
+        for name, fn in (("per_site", block_per_site(kdr.depth_read_triton)),
+                         ("two_phase", block_two_phase)):
+            block_fwd_bwd(fn, inp, grads)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    block_fwd_bwd(fn, inp, grads)
+                torch.cuda.synchronize()
+            evs = sorted(((e.self_device_time_total / 5, e.count // 5, e.key)
+                          for e in prof.key_averages() if e.self_device_time_total > 0),
+                         reverse=True)
+            total = sum(us for us, _, _ in evs)
+            print(f"profile block d={d} S={S} K={K} {keys_kind} {name}: {total:.0f} us per "
+                  f"fwd+bwd", flush=True)
+            for us, n, key in evs[:10]:
+                print(f"    {us:8.1f} us  {n:3d} calls  {key[:90]}", flush=True)
+        del inp, grads
+
+
 def run_blocks(args, T, copy_tbps, meta):
     d, K = args.block_width, args.block_sites
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
@@ -802,6 +830,8 @@ def run_blocks(args, T, copy_tbps, meta):
                 f.flush()
     if args.sweep:
         block_sweep(T, d, K, copy_tbps)
+    if args.block_profile and DEVICE == "cuda":
+        block_profile(T, d, K)
 
 
 def summarize(rows):

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The two-phase schedule in training on the GPU box (one H200, about 8 minutes): GPU time per
+# kernel of one depth block for both schedules, the bf16 DDP model tests on the fused
+# kernels, the tiny preset trained per-site and two-phase (validation losses side by side),
+# then 1b-preset step times: standard, and lr_attnres / attnres with both schedules.
+#   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/two_phase_train.sh
+# ARMS_1B overrides the 1b arms ("residual:schedule" words); SKIP_TINY=1, SKIP_PROFILE=1.
+set -uo pipefail
+export PYTHONWARNINGS=ignore
+source "$(dirname "$0")/common.sh"
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
+    if ! timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/log"; then
+        echo "== $name FAILED or timed out" | tee -a "$OUT/log"
+        status=1
+    fi
+}
+median_step() {  # median step time of a metrics file, iterations 5..
+    python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+t = [r["step_time_s"] for r in rows if r["type"] == "train"][4:]
+v = [r["loss"] for r in rows if r["type"] == "valid"]
+print(f"median step {statistics.median(t) * 1000:.1f} ms over {len(t)} steps; "
+      f"validation {' -> '.join(f'{x:.4f}' for x in v)}")
+PY
+}
+train() { python3 -m megatron_lrattn.cli.pretrain --no-progress "$@"; }
+[ -z "${SKIP_PROFILE:-}" ] && step "GPU time per kernel of one depth block" 90 \
+    python3 benchmarks/bench_depth_read.py --block --block-profile --sweep-only \
+        --csv /tmp/unused_block.csv
+step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
+if [ -z "${SKIP_TINY:-}" ]; then
+    for s in per_site two_phase; do
+        step "tiny preset, attnres, $s" 150 train --preset tiny --residual attnres \
+            --depth-schedule "$s" --log-json "$OUT/tiny_attnres_$s.jsonl"
+        median_step "$OUT/tiny_attnres_$s.jsonl" | tee -a "$OUT/log"
+    done
+fi
+for arm in ${ARMS_1B:-standard:per_site lr_attnres:per_site lr_attnres:two_phase attnres:per_site attnres:two_phase}; do
+    res=${arm%%:*} sched=${arm##*:}
+    step "1b preset, $res, $sched (mbs 4, gbs 8, seq 2048, 12 iters)" 100 \
+        train --preset 1b --residual "$res" --depth-schedule "$sched" --micro-batch-size 4 \
+        --global-batch-size 8 --train-iters 12 --lr-warmup-iters 2 --eval-interval 12 \
+        --eval-iters 1 --log-json "$OUT/1b_${res}_$sched.jsonl"
+    median_step "$OUT/1b_${res}_$sched.jsonl" | tee -a "$OUT/log"
+done
+echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
+exit $status
