@@ -749,18 +749,27 @@ def main():
 
 def block_sweep(T, d, K, copy_tbps):
     """Two-phase block (S=9, sliced r=d/4 and AttnRes) under the tiles of the width-chunked
-    phase 1 (``lrattn_kernels.multi_chunked``): column chunk and warps of the forward value
-    pass, of the backward's dot pass and of its gradient pass, persistent programs per SM.
+    phase 1 (``lrattn_kernels.multi_chunked``: sources in flight, column chunks and warps of
+    the value passes, logit tiles, persistent programs of the key-gradient pass) and of the
+    merges (``lrattn_kernels.depth_merge``: tile, warps, persistent backward programs).
     Ranked by GPU busy time; every candidate is checked against the defaults first."""
     S = 9
     cands = {"default": {}}
-    for bc, w in ((512, 2), (512, 4), (1024, 8), (2048, 8)):
+    for pf in (1, 2):
+        cands[f"value passes prefetch {pf}"] = dict(mc_prefetch=pf, mc_dots_prefetch=pf)
+    for bc, w in ((512, 2), (2048, 8)):
         cands[f"fwd chunk {bc} warps {w}"] = dict(mc_chunk=bc, mc_warps=w)
-    for bc, w in ((512, 2), (2048, 8), (1024, 2)):
+    for bt, rc, w in ((32, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 8), (128, 64, 8)):
+        cands[f"logits tokens {bt} chunk {rc} warps {w}"] = dict(
+            mc_logit_tokens=bt, mc_logit_chunk=rc, mc_logit_warps=w)
+    for bc, w in ((512, 2), (2048, 8)):
         cands[f"dots chunk {bc} warps {w}"] = dict(mc_dots_chunk=bc, mc_dots_warps=w)
-    for bc, w, c in ((512, 2, 8), (1024, 4, 4), (256, 1, 16), (512, 4, 8), (512, 4, 2)):
+    for bc, w, c in ((256, 1, 16), (512, 2, 8), (256, 1, 32), (1024, 4, 4)):
         cands[f"grads chunk {bc} warps {w} ctas/SM {c}"] = dict(mc_bwd_chunk=bc, mc_bwd_warps=w,
                                                                 mc_ctas_per_sm=c)
+    for tile, w, c in ((2048, 4, 8), (2048, 4, 16), (2048, 8, 8), (4096, 8, 8), (8192, 16, 4)):
+        cands[f"merge tile {tile} warps {w} ctas/SM {c}"] = dict(merge_tile=tile, merge_warps=w,
+                                                                 merge_ctas_per_sm=c)
     for r in (d // 4, d):
         inp, grads = block_inputs(T, d, r, S, K, False, seed=7)
         kdr.TUNE.clear()

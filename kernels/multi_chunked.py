@@ -51,33 +51,39 @@ def _row_chunk(tab, st_tab, i, ref, row64, cols, cmask, A: tl.constexpr):
 def _logits_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr,
                    T, S, K, d, r, eps, scale,
                    PROJECTED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   BR: tl.constexpr):
+                   RC: tl.constexpr, KA: tl.constexpr, PREC: tl.constexpr):
+    # BT tokens per program; the K logits of a source come from [BT, RC] x [RC, BK] products
+    # over RC-column chunks of its keys (no cross-thread reduction per query)
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
-    rcols = tl.arange(0, BR)
+    rc = tl.arange(0, RC)
     kk = tl.arange(0, BK)
     kmask = kk < K
-    km = rmask[:, None] & (rcols < r)[None, :]
     m = tl.full([BT, BK], float("-inf"), tl.float32)
     l = tl.zeros([BT, BK], tl.float32)
     for i in range(S):
         if PROJECTED:
-            p = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
-            kf = tl.load(p + rows64[:, None] * tl.load(ks_tab + i) + rcols[None, :], mask=km,
-                         other=0.0)
+            base = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
+            rowp = base + rows64 * tl.load(ks_tab + i)
         else:
-            p = tl.load(v_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
-            kf = tl.load(p + rows64[:, None] * tl.load(vs_tab + i) + (rcols + (d - r))[None, :],
-                         mask=km, other=0.0)
-        kf = kf.to(tl.float32)  # [BT, BR]
-        rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
-        s = tl.zeros([BT, BK], tl.float32)
-        for k in range(K):
-            q = tl.load(q_ptr + k * r + rcols, mask=rcols < r, other=0.0).to(tl.float32)
-            sk = tl.sum(kf * q[None, :], axis=1) * (scale * rstd)
-            s = tl.where(kk[None, :] == k, sk[:, None], s)
+            base = tl.load(v_tab + i).to(tl.pointer_type(vref.dtype.element_ty))
+            rowp = base + rows64 * tl.load(vs_tab + i) + (d - r)
+        ss = tl.zeros([BT], tl.float32)
+        acc = tl.zeros([BT, BK], tl.float32)
+        for r0 in range(0, r, RC):
+            cm = (r0 + rc) < r
+            ptrs = rowp[:, None] + (r0 + rc)[None, :]
+            if KA:  # 16-byte vectors (alignment checked on the host)
+                ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 16])
+            kf = tl.load(ptrs, mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            qt = tl.load(q_ptr + kk[None, :] * r + (r0 + rc)[:, None],
+                         mask=kmask[None, :] & cm[:, None], other=0.0)  # [RC, BK]
+            ss += tl.sum(kf * kf, axis=1)
+            acc = tl.dot(kf, qt, acc, input_precision=PREC)
+        rstd = 1.0 / tl.sqrt(ss / r + eps)
+        s = acc * (scale * rstd)[:, None]
         tl.store(s_ptr + (rows64[:, None] * S + i) * K + kk[None, :], s,
                  mask=rmask[:, None] & kmask[None, :])
         tl.store(rstd_ptr + rows64 * S + i, rstd, mask=rmask)
@@ -89,8 +95,41 @@ def _logits_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, s_ptr, rstd_
 
 
 @triton.jit
+def _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A: tl.constexpr, PF: tl.constexpr):
+    # rows of sources 0..PF-1 in flight (slots past PF alias slot 0, nothing extra read)
+    v0 = _row_chunk(v_tab, vs_tab, 0, vref, t, cols, cmask, A)
+    v1 = v0
+    v2 = v0
+    if PF >= 2:
+        v1 = _row_chunk(v_tab, vs_tab, tl.minimum(1, S - 1), vref, t, cols, cmask & (1 < S), A)
+    if PF >= 3:
+        v2 = _row_chunk(v_tab, vs_tab, tl.minimum(2, S - 1), vref, t, cols, cmask & (2 < S), A)
+    return v0, v1, v2
+
+
+@triton.jit
+def _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A: tl.constexpr,
+               PF: tl.constexpr):
+    # source i's row; the ring issues source i + PF (loads in flight are what a program of
+    # one token row has to hide memory latency with)
+    j = i + PF
+    nxt = _row_chunk(v_tab, vs_tab, tl.minimum(j, S - 1), vref, t, cols, cmask & (j < S), A)
+    cur = v0
+    if PF == 1:
+        v0 = nxt
+    elif PF == 2:
+        v0 = v1
+        v1 = nxt
+    else:
+        v0 = v1
+        v1 = v2
+        v2 = nxt
+    return cur, v0, v1, v2
+
+
+@triton.jit
 def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
-                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr):
+                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr, PF: tl.constexpr):
     # program (chunk, token): out_k[t, chunk] = sum_i a_ik v_i[t, chunk] for all k
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -100,14 +139,11 @@ def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
     kmask = kk < K
     lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
     acc = tl.zeros([BK, BC], tl.float32)
-    v = _row_chunk(v_tab, vs_tab, 0, vref, t, cols, cmask, A)
+    v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
     for i in range(S):
-        # the next source's row is in flight while this one is accumulated
-        v_next = _row_chunk(v_tab, vs_tab, tl.minimum(i + 1, S - 1), vref, t, cols,
-                            cmask & (i + 1 < S), A)
+        v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
         a = tl.exp(tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf")) - lse)
         acc += a[:, None] * v[None, :]
-        v = v_next
     op = tl.load(o_tab + kk, mask=kmask, other=0).to(tl.pointer_type(oref.dtype.element_ty))
     ptrs = op[:, None] + t * d + cols[None, :]
     if A:
@@ -127,7 +163,7 @@ def _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A: tl.constexpr)
 
 @triton.jit
 def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, vref, gref, dots_ptr, S, K, d, NC1,
-                 BK: tl.constexpr, BC1: tl.constexpr, A: tl.constexpr):
+                 BK: tl.constexpr, BC1: tl.constexpr, A: tl.constexpr, PF: tl.constexpr):
     # program (chunk, token): dots[t, chunk, i, k] = <g_k, v_i> over the chunk's columns
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -137,12 +173,10 @@ def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, vref, gref, dots_ptr, S, K, d, NC
     kmask = kk < K
     g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
     base = dots_ptr + (t * NC1 + c) * S * K
-    v = _row_chunk(v_tab, vs_tab, 0, vref, t, cols, cmask, A)
+    v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
     for i in range(S):
-        v_next = _row_chunk(v_tab, vs_tab, tl.minimum(i + 1, S - 1), vref, t, cols,
-                            cmask & (i + 1 < S), A)
+        v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
         tl.store(base + i * K + kk, tl.sum(g * v[None, :], axis=1), mask=kmask)
-        v = v_next
 
 
 @triton.jit
@@ -177,14 +211,33 @@ def _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr, kk, kmask,
 
 
 @triton.jit
+def _dvalues_plain_kernel(g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, T, S, K, d,
+                          BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr):
+    # program (chunk, token) of a chunk without key columns: dv_i = sum_k a_ik g_k
+    c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    cols = c * BC + tl.arange(0, BC)
+    cmask = cols < d
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
+    lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+    for i in range(S):
+        s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
+        dv = tl.sum(tl.exp(s - lse)[:, None] * g, axis=0)
+        dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
+        if A:
+            dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
+        tl.store(dp, dv.to(vref.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
 def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_ptr, rstd_ptr,
                     lse_ptr, dlse_ptr, dots_ptr, gq_part_ptr, T, S, K, d, r, NC1, c0, scale,
-                    KEYS: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-                    BS: tl.constexpr, A: tl.constexpr):
-    # program (chunk c0 + c, p), persistent over tokens p, p + P, ...:
-    #   dv_i[t, chunk] = sum_k a_ik g_k[t, chunk]
-    # KEYS (chunks holding sliced key columns): + the key gradient on those columns,
-    #   dk_i = scale rstd_i sum_k ds_ik q_k - c_i k_i, and [K, chunk] query-gradient partials
+                    BK: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, A: tl.constexpr):
+    # program (chunk c0 + c, p) of a chunk holding sliced key columns, persistent over
+    # tokens p, p + P, ...: dv_i = sum_k a_ik g_k plus, on the key columns, the key gradient
+    # dk_i = scale rstd_i sum_k ds_ik q_k - c_i k_i; [K, chunk] query-gradient partials
     c = c0 + tl.program_id(0)
     p = tl.program_id(1)
     nprog = tl.num_programs(1)
@@ -192,37 +245,28 @@ def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_p
     cmask = cols < d
     kk = tl.arange(0, BK)
     kmask = kk < K
-    if KEYS:
-        keycol = (cols >= d - r) & cmask
-        qc = tl.load(q_ptr + kk[:, None] * r + (cols - (d - r))[None, :],
-                     mask=kmask[:, None] & keycol[None, :], other=0.0).to(tl.float32)
-        gq = tl.zeros([BK, BC], tl.float32)
+    keycol = (cols >= d - r) & cmask
+    qc = tl.load(q_ptr + kk[:, None] * r + (cols - (d - r))[None, :],
+                 mask=kmask[:, None] & keycol[None, :], other=0.0).to(tl.float32)
+    gq = tl.zeros([BK, BC], tl.float32)
     for tt in range(p, T, nprog):
         t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
         g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
-        if KEYS:
-            lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr,
-                                            kk, kmask, BS)
-        else:
-            lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+        lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr,
+                                        kk, kmask, BS)
         for i in range(S):
-            if KEYS:
-                a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
-                                               delta, dlse, kk, kmask, r)
-                v = tl.where(keycol, _row_chunk(v_tab, vs_tab, i, vref, t, cols, keycol, A), 0.0)
-                dk = (scale * rstd) * tl.sum(ds[:, None] * qc, axis=0) - v * c_i
-                dv = tl.sum(a[:, None] * g, axis=0) + tl.where(keycol, dk, 0.0)
-                gq += (ds * (scale * rstd))[:, None] * v[None, :]
-            else:
-                s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
-                dv = tl.sum(tl.exp(s - lse)[:, None] * g, axis=0)
+            a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
+                                           delta, dlse, kk, kmask, r)
+            v = tl.where(keycol, _row_chunk(v_tab, vs_tab, i, vref, t, cols, keycol, A), 0.0)
+            dk = (scale * rstd) * tl.sum(ds[:, None] * qc, axis=0) - v * c_i
+            dv = tl.sum(a[:, None] * g, axis=0) + tl.where(keycol, dk, 0.0)
+            gq += (ds * (scale * rstd))[:, None] * v[None, :]
             dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
             if A:
                 dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
             tl.store(dp, dv.to(vref.dtype.element_ty), mask=cmask)
-    if KEYS:
-        tl.store(gq_part_ptr + (p.to(tl.int64) * K + kk[:, None]) * r + (cols - (d - r))[None, :],
-                 gq, mask=kmask[:, None] & keycol[None, :])
+    tl.store(gq_part_ptr + (p.to(tl.int64) * K + kk[:, None]) * r + (cols - (d - r))[None, :],
+             gq, mask=kmask[:, None] & keycol[None, :])
 
 
 @triton.jit
@@ -279,6 +323,11 @@ def _aligned(groups: Sequence[Sequence[Tensor]], d: int) -> bool:
             and all(t.element_size() == ts[0].element_size() for t in ts))
 
 
+def _prefetch(key: str) -> int:
+    """Source rows a value pass keeps in flight ahead of the one it reduces (1..3)."""
+    return max(1, min(3, _tune(key, 3)))
+
+
 def _programs(n: int, dev: torch.device, key: str, per_sm: int) -> int:
     if dev.type == "cuda":
         return max(1, min(n, _dr._sm_count(dev.index) * _tune(key, per_sm)))
@@ -306,16 +355,23 @@ def forward(vs: List[Tensor], ks: List[Tensor], q: Tensor, eps: float, scale: fl
     else:
         (v_tab, vs_tab), (o_tab, _) = _tables(vs, out_list)
         k_tab, ks_tab = v_tab, vs_tab
-    bk, br = pow2(K), max(16, pow2(r))
-    bt = max(1, min(_tune("mc_logit_tile", 4096) // br, pow2(T)))
+    bk = pow2(K)
+    rc = _chunk(r, "mc_logit_chunk", 64)
+    bt = max(16, min(_tune("mc_logit_tokens", 64), pow2(T)))
+    keys = ks if projected else vs
+    # the keys' rows start on 16 bytes (sliced: d - r elements into each value row)
+    ka = _aligned([keys], r) and (projected or (d - r) % (16 // vs[0].element_size()) == 0)
+    # bf16 / fp16 keys are exact in tf32, so tf32x3 (q split in two) is fp32-accurate there
+    prec = "ieee" if vs[0].dtype == torch.float32 or _tune("mc_logit_ieee", 0) else "tf32x3"
     _logits_kernel[(triton.cdiv(T, bt),)](
-        v_tab, vs_tab, k_tab, ks_tab, vs[0], ks[0] if projected else vs[0], q, s, rstd, lse,
-        T, S, K, d, r, eps, scale, PROJECTED=projected, BT=bt, BK=bk, BR=br,
-        num_warps=_tune("mc_logit_warps", 4))
+        v_tab, vs_tab, k_tab, ks_tab, vs[0], keys[0], q, s, rstd, lse,
+        T, S, K, d, r, eps, scale, PROJECTED=projected, BT=bt, BK=max(16, bk), RC=rc, KA=ka,
+        PREC=prec, num_warps=_tune("mc_logit_warps", 4))
     bc = _chunk(d, "mc_chunk", 1024)
     _values_kernel[(triton.cdiv(d, bc), T)](
         v_tab, vs_tab, o_tab, vs[0], out_list[0], s, lse, T, S, K, d, BK=bk, BC=bc,
-        A=_aligned([vs, out_list], d), num_warps=_warps("mc_warps", bc, bk))
+        A=_aligned([vs, out_list], d), PF=_prefetch("mc_prefetch"),
+        num_warps=_warps("mc_warps", bc, bk))
     return outs, lse, s, rstd
 
 
@@ -344,7 +400,7 @@ def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Ten
     aligned = _aligned([vs, dvs, gs], d)
     _dots_kernel[(nc1, T)](
         v_tab, vs_tab, g_tab, gs_tab, vs[0], gs[0], dots, S, K, d, nc1, BK=bk, BC1=bc1,
-        A=aligned, num_warps=_warps("mc_dots_warps", bc1, bk))
+        A=aligned, PF=_prefetch("mc_dots_prefetch"), num_warps=_warps("mc_dots_warps", bc1, bk))
     bc = _chunk(d, "mc_bwd_chunk", 512)
     nc = triton.cdiv(d, bc)
     c0 = nc if projected else (d - r) // bc  # chunks from c0 on hold sliced key columns
@@ -354,11 +410,12 @@ def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Ten
     args = (v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], q, s, rstd, lse, dlse, dots,
             parts, T, S, K, d, r, nc1)
     if c0 > 0:
-        _dvalues_kernel[(c0, nprog)](*args, 0, scale, KEYS=False, BK=bk, BC=bc, BS=bs,
-                                     A=aligned, num_warps=warps)
+        _dvalues_plain_kernel[(c0, T)](g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, T, S, K, d,
+                                       BK=bk, BC=bc, A=aligned,
+                                       num_warps=_warps("mc_plain_warps", bc, bk))
     if c0 < nc:
-        _dvalues_kernel[(nc - c0, nprog)](*args, c0, scale, KEYS=True, BK=bk, BC=bc, BS=bs,
-                                          A=aligned, num_warps=warps)
+        _dvalues_kernel[(nc - c0, nprog)](*args, c0, scale, BK=bk, BC=bc, BS=bs, A=aligned,
+                                          num_warps=warps)
     if projected:
         (k_tab, ks_tab), (dk_tab, _) = tabs[3:]
         _dkeys_kernel[(nprog,)](

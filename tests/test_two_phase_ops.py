@@ -406,3 +406,25 @@ def test_multi_many_token_programs_match(projected, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         check_multi(T, d, r, S, K, dtype, projected, "triton")
     check_block(40, 64, 16, 3, 2, projected, "triton")
+
+
+CHUNKED_TILES = {
+    "prefetch_1": dict(mc_prefetch=1, mc_dots_prefetch=1),
+    "prefetch_2": dict(mc_prefetch=2, mc_dots_prefetch=2),
+    "narrow_chunks": dict(mc_chunk=16, mc_dots_chunk=16, mc_bwd_chunk=16, mc_logit_chunk=16),
+    "mixed_chunks": dict(mc_chunk=32, mc_dots_chunk=16, mc_bwd_chunk=32, mc_logit_tokens=16,
+                         mc_ctas_per_sm=1),
+}
+
+
+@pytest.mark.parametrize("tiles", list(CHUNKED_TILES))
+@pytest.mark.parametrize("name", ["sliced", "projected", "attnres_r_eq_d", "r_one",
+                                  "many_sources"])
+def test_multi_chunked_tiles_match(name, tiles, monkeypatch):
+    """The width-chunked phase 1 at other tiles: several column chunks per row in every pass
+    (key columns starting inside a chunk, dot partials over several chunks), logit chunks
+    that do not divide r, and one or two sources in flight instead of three."""
+    for key, value in CHUNKED_TILES[tiles].items():
+        monkeypatch.setitem(kdr.TUNE, key, value)
+    T, d, r, S, K, projected = STRESS[name]
+    check_multi(T, d, r, S, K, torch.float32, projected, "triton")

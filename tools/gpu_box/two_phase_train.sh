@@ -28,7 +28,7 @@ print(f"median step {statistics.median(t) * 1000:.1f} ms over {len(t)} steps; "
       f"validation {' -> '.join(f'{x:.4f}' for x in v)}")
 PY
 }
-train() { python3 -m megatron_lrattn.cli.pretrain --no-progress "$@"; }
+TRAIN=(python3 -m megatron_lrattn.cli.pretrain --no-progress)
 [ -z "${SKIP_PROFILE:-}" ] && step "GPU time per kernel of one depth block" 90 \
     python3 benchmarks/bench_depth_read.py --block --block-profile --sweep-only \
         --csv /tmp/unused_block.csv
@@ -36,7 +36,7 @@ step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
     python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
 if [ -z "${SKIP_TINY:-}" ]; then
     for s in per_site two_phase; do
-        step "tiny preset, attnres, $s" 150 train --preset tiny --residual attnres \
+        step "tiny preset, attnres, $s" 150 "${TRAIN[@]}" --preset tiny --residual attnres \
             --depth-schedule "$s" --log-json "$OUT/tiny_attnres_$s.jsonl"
         median_step "$OUT/tiny_attnres_$s.jsonl" | tee -a "$OUT/log"
     done
@@ -44,7 +44,7 @@ fi
 for arm in ${ARMS_1B:-standard:per_site lr_attnres:per_site lr_attnres:two_phase attnres:per_site attnres:two_phase}; do
     res=${arm%%:*} sched=${arm##*:}
     step "1b preset, $res, $sched (mbs 4, gbs 8, seq 2048, 12 iters)" 100 \
-        train --preset 1b --residual "$res" --depth-schedule "$sched" --micro-batch-size 4 \
+        "${TRAIN[@]}" --preset 1b --residual "$res" --depth-schedule "$sched" --micro-batch-size 4 \
         --global-batch-size 8 --train-iters 12 --lr-warmup-iters 2 --eval-interval 12 \
         --eval-iters 1 --log-json "$OUT/1b_${res}_$sched.jsonl"
     median_step "$OUT/1b_${res}_$sched.jsonl" | tee -a "$OUT/log"
