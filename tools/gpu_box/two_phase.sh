@@ -5,7 +5,8 @@
 # tiles; L=24 N=8: K=6 sites, d=2048, T=16384, bf16, S=5 and 9; wall and GPU busy time)
 # and the tile sweep of the width-chunked phase 1. Everything lands in $OUT (log, CSV).
 #   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/two_phase.sh
-# BLOCK_S (default 240) and SWEEP_S (default 120) bound the benchmark steps.
+# BLOCK_S (default 240) and SWEEP_S (default 120) bound the benchmark steps; PROFILE="" skips
+# the per-kernel profile; BLOCK_TILES3D=1 adds the 3-D phase-1 tiles to the block rows.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 status=0
@@ -26,5 +27,8 @@ step "block benchmark: per-site reads vs two-phase" "${BLOCK_S:-240}" \
 step "width-chunked phase-1 tile sweep" "${SWEEP_S:-120}" \
     python3 benchmarks/bench_depth_read.py --block --sweep --sweep-only \
         --csv "$OUT/two_phase_block.csv"
+[ -n "${PROFILE:-1}" ] && step "GPU time per kernel of one depth block" 90 \
+    python3 benchmarks/bench_depth_read.py --block --block-profile --sweep-only \
+        --csv /tmp/unused_block.csv
 echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
 exit $status
