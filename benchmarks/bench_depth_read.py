@@ -756,19 +756,21 @@ def block_sweep(T, d, K, copy_tbps):
     Ranked by GPU busy time; every candidate is checked against the defaults first."""
     S = 9
     cands = {"default": {}}
-    for pf in (1, 2):
+    for pf in (2, 3):
         cands[f"value passes prefetch {pf}"] = dict(mc_prefetch=pf, mc_dots_prefetch=pf)
+    for pf in (1, 2):
+        cands[f"key-gradient prefetch {pf}"] = dict(mc_keys_prefetch=pf)
     for bc, w in ((512, 2), (2048, 8)):
         cands[f"fwd chunk {bc} warps {w}"] = dict(mc_chunk=bc, mc_warps=w)
-    for bt, rc, w in ((32, 64, 4), (128, 64, 4), (64, 32, 4), (64, 128, 8), (128, 64, 8)):
+    for bt, rc, w in ((64, 16, 4), (32, 32, 4), (64, 32, 2), (128, 32, 4), (64, 64, 4)):
         cands[f"logits tokens {bt} chunk {rc} warps {w}"] = dict(
             mc_logit_tokens=bt, mc_logit_chunk=rc, mc_logit_warps=w)
-    for bc, w in ((512, 2), (2048, 8)):
+    for bc, w in ((256, 1), (512, 2), (2048, 8)):
         cands[f"dots chunk {bc} warps {w}"] = dict(mc_dots_chunk=bc, mc_dots_warps=w)
-    for bc, w, c in ((256, 1, 16), (512, 2, 8), (256, 1, 32), (1024, 4, 4)):
+    for bc, w, c in ((128, 1, 16), (256, 2, 8), (256, 1, 16), (512, 2, 8), (256, 1, 8)):
         cands[f"grads chunk {bc} warps {w} ctas/SM {c}"] = dict(mc_bwd_chunk=bc, mc_bwd_warps=w,
                                                                 mc_ctas_per_sm=c)
-    for tile, w, c in ((2048, 4, 8), (2048, 4, 16), (2048, 8, 8), (4096, 8, 8), (8192, 16, 4)):
+    for tile, w, c in ((2048, 4, 4), (2048, 4, 16), (2048, 2, 16), (4096, 8, 8)):
         cands[f"merge tile {tile} warps {w} ctas/SM {c}"] = dict(merge_tile=tile, merge_warps=w,
                                                                  merge_ctas_per_sm=c)
     for r in (d // 4, d):

@@ -112,9 +112,11 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
 
 
 def _tiles(d: int, r: int, T: int):
+    # 2048-element tiles, 4 warps (one H200, d=2048, S=9 block, GPU busy time: the block's
+    # fwd+bwd 2.76 ms against 3.38 ms with the earlier 4096 / 8 warps, 4 programs per SM)
     bd = _dr.pow2(d)
     br = max(16, _dr.pow2(r))
-    bt = max(1, min(_dr.TUNE.get("merge_tile", 4096) // bd, _dr.pow2(max(T, 1))))
+    bt = max(1, min(_dr.TUNE.get("merge_tile", 2048) // bd, _dr.pow2(max(T, 1))))
     warps = _dr.TUNE.get("merge_warps", max(4, min(16, bt * bd // 512)))
     return bt, bd, br, warps
 
@@ -157,7 +159,7 @@ class _DepthMergeTriton(torch.autograd.Function):
         bt, bd, br, warps = _tiles(d, r, T)
         n_blocks = triton.cdiv(T, bt)
         if dev.type == "cuda":
-            nprog = min(n_blocks, _dr._sm_count(dev.index) * _dr.TUNE.get("merge_ctas_per_sm", 4))
+            nprog = min(n_blocks, _dr._sm_count(dev.index) * _dr.TUNE.get("merge_ctas_per_sm", 8))
         else:
             nprog = min(n_blocks, 2)
         parts = _dr._alloc((nprog, r), torch.float32, dev)

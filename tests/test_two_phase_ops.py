@@ -409,8 +409,9 @@ def test_multi_many_token_programs_match(projected, monkeypatch):
 
 
 CHUNKED_TILES = {
-    "prefetch_1": dict(mc_prefetch=1, mc_dots_prefetch=1),
-    "prefetch_2": dict(mc_prefetch=2, mc_dots_prefetch=2),
+    "prefetch_1": dict(mc_keys_prefetch=1),
+    "prefetch_2": dict(mc_prefetch=2, mc_dots_prefetch=2, mc_keys_prefetch=2),
+    "prefetch_3": dict(mc_prefetch=3, mc_dots_prefetch=3),
     "narrow_chunks": dict(mc_chunk=16, mc_dots_chunk=16, mc_bwd_chunk=16, mc_logit_chunk=16),
     "mixed_chunks": dict(mc_chunk=32, mc_dots_chunk=16, mc_bwd_chunk=32, mc_logit_tokens=16,
                          mc_ctas_per_sm=1),
@@ -423,7 +424,7 @@ CHUNKED_TILES = {
 def test_multi_chunked_tiles_match(name, tiles, monkeypatch):
     """The width-chunked phase 1 at other tiles: several column chunks per row in every pass
     (key columns starting inside a chunk, dot partials over several chunks), logit chunks
-    that do not divide r, and one or two sources in flight instead of three."""
+    that do not divide r, and one to three sources in flight in every value pass."""
     for key, value in CHUNKED_TILES[tiles].items():
         monkeypatch.setitem(kdr.TUNE, key, value)
     T, d, r, S, K, projected = STRESS[name]
