@@ -156,7 +156,7 @@ class LRAttnResBlock(TransformerBlock):
         if isinstance(hidden_states, WrappedTensor):
             hidden_states = hidden_states.unwrap()
         state = self._start_state(hidden_states)
-        if uses_two_phase(self.config):
+        if uses_two_phase(self.config, state.embedding.device):
             state.use_two_phase(self.schedule, {int(s): q.weight
                                                 for s, q in self.depth_queries.items()})
         for layer in self.layers:

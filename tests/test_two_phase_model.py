@@ -111,9 +111,16 @@ def test_auto_schedule_resolution_and_config_errors(mp):
     from megatron_lrattn.config import ConfigError
     from megatron_lrattn.depth_state import uses_two_phase
 
-    assert not uses_two_phase(tiny_config(num_blocks=2))  # auto: per site
-    assert uses_two_phase(tiny_config(num_blocks=2, depth_schedule="two_phase"))
-    assert not uses_two_phase(tiny_config(num_blocks=2, depth_schedule="per_site"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    # auto: two-phase where the reads run on the fused kernels (CUDA, backend auto/triton)
+    assert not uses_two_phase(tiny_config(num_blocks=2))
+    assert not uses_two_phase(tiny_config(num_blocks=2), cpu)
+    assert uses_two_phase(tiny_config(num_blocks=2), cuda)
+    assert uses_two_phase(tiny_config(num_blocks=2, depth_backend="triton"), cuda)
+    assert not uses_two_phase(tiny_config(num_blocks=2, depth_backend="torch"), cuda)
+    for dev in (None, cpu, cuda):
+        assert uses_two_phase(tiny_config(num_blocks=2, depth_schedule="two_phase"), dev)
+        assert not uses_two_phase(tiny_config(num_blocks=2, depth_schedule="per_site"), dev)
     with pytest.raises(ConfigError, match="depth_schedule='blocked' is not allowed: one of "
                                           "auto, per_site, two_phase"):
         tiny_config(num_blocks=2, depth_schedule="blocked")

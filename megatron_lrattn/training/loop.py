@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_lrattn.data.datasets import build_gpt_datasets, get_batch
 from megatron_lrattn.data.tokenizer import HFTokenizer
+from megatron_lrattn.depth_state import uses_two_phase
 from megatron_lrattn.pipeline import depth_tensor_shapes_fn, log_pipeline_payloads
 from megatron_lrattn.training.arguments import ArgumentError
 from megatron_lrattn.training.builder import (
@@ -194,10 +195,12 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
                 dp=rt.dp, residual=config.residual, key=config.key, rank=config.rank,
                 num_blocks=config.num_blocks, bf16=bf16)
     logger.info("run: %s", json.dumps(info))
-    if config.uses_depth_attention and getattr(config, "depth_schedule", "auto") == "two_phase":
-        logger.info("--depth-schedule two_phase: on an H200 it trains like per_site since the "
-                    "fix of 2026-12-01 but is not faster on the block benchmark "
-                    "(docs/kernels.md)")
+    if config.uses_depth_attention:
+        two_phase = uses_two_phase(config, torch.device("cuda" if torch.cuda.is_available()
+                                                        else "cpu"))
+        logger.info("depth reads: %s schedule (--depth-schedule %s), %s backend",
+                    "two-phase block" if two_phase else "per-site",
+                    getattr(config, "depth_schedule", "auto"), config.depth_backend)
     logger.info("args: %s", json.dumps(vars(args), default=str))
 
     fwd_bwd = get_forward_backward_func()
