@@ -22,16 +22,21 @@ def uses_two_phase(config, device: Optional[torch.device] = None) -> bool:
 
     ``config.depth_schedule``: ``two_phase`` / ``per_site`` force it; ``auto`` (the default)
     is ``two_phase`` where the reads run on the fused kernels (``device`` is CUDA, the
-    backend is ``auto`` or ``triton`` and Triton imports) and ``per_site`` elsewhere (the
-    reference path on CPU). On one H200 a depth block of the L=24, N=8 schedule (K=6 sites,
-    d=2048, T=16384, S=9, bf16) takes 2.6 ms forward+backward in two phases against 6.0 ms
-    per site for sliced keys, 3.9 / 6.1 ms for AttnRes and 2.7 / 9.4 ms for projected keys
-    (GPU busy time, docs/kernels.md).
+    backend is ``auto`` or ``triton`` and Triton imports) and a depth block has more than
+    one read site (num_blocks < 2 * num_layers: with one site per block phase 1 is a
+    per-site read in more launches), else ``per_site`` (the reference path on CPU).
+
+    Measured on one H200 (docs/kernels.md): a depth block of the L=24, N=8 schedule (K=6
+    sites, d=2048, T=16384, S=9, bf16) takes 2.6 ms forward+backward in two phases against
+    6.0 ms per site for sliced keys (3.9 / 6.1 ms AttnRes, 2.7 / 9.4 ms projected); the 1b
+    preset (K=4) steps in 268.9 ms against 280.3 ms (lr_attnres) and trains alike.
     """
     schedule = getattr(config, "depth_schedule", "per_site")
     if schedule != "auto":
         return schedule == "two_phase"
     if device is None or device.type != "cuda":
+        return False
+    if config.num_blocks >= 2 * config.num_layers:
         return False
     return getattr(config, "depth_backend", "auto") in ("auto", "triton") and triton_available()
 

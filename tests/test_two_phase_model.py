@@ -113,6 +113,9 @@ def test_auto_schedule_resolution_and_config_errors(mp):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     # auto: two-phase where the reads run on the fused kernels (CUDA, backend auto/triton)
+    # and a block has several read sites (tiny_config: 2 layers, 4 sub-layers)
+    assert not uses_two_phase(tiny_config(num_blocks=4), cuda)  # one site per block
+    assert uses_two_phase(tiny_config(num_blocks=3), cuda)
     assert not uses_two_phase(tiny_config(num_blocks=2))
     assert not uses_two_phase(tiny_config(num_blocks=2), cpu)
     assert uses_two_phase(tiny_config(num_blocks=2), cuda)
