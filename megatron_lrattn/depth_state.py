@@ -8,7 +8,13 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor
 
-from megatron_lrattn.ops import depth_merge, depth_read, depth_read_multi, triton_available
+from megatron_lrattn.ops import (
+    depth_merge,
+    depth_merge_update,
+    depth_read,
+    depth_read_multi,
+    triton_available,
+)
 
 
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
@@ -57,7 +63,8 @@ class DepthState:
     block on this chunk runs phase 1 (``depth_read_multi``) over the completed sources for
     all of the block's read sites this chunk owns and caches (out_k, lse_k) per site; each
     site then returns its phase-1 output (no partial sum yet) or merges the partial sum
-    into it (``depth_merge``).
+    into it (``depth_merge_update``, which also forms the partial sum from the last
+    sub-layer output, or ``depth_merge``).
     """
 
     embedding: Tensor
@@ -71,6 +78,7 @@ class DepthState:
     _queries: Mapping[int, Tensor] = field(default_factory=dict, repr=False)
     _phase1: Dict[int, Tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
     _phase1_blocks: int = field(default=-1, repr=False)
+    _pending: Optional[Tensor] = field(default=None, repr=False)
 
     def use_two_phase(self, schedule, queries: Mapping[int, Tensor]) -> None:
         """Serve reads that name their site through the two-phase block schedule.
@@ -90,10 +98,21 @@ class DepthState:
         return self.embedding_key is not None
 
     def add(self, output: Tensor, key: Optional[Tensor], closes_block: bool) -> None:
-        """Add one sub-layer's output (and its normalised key) to the current block."""
+        """Add one sub-layer's output (and its normalised key) to the current block.
+
+        With ``use_two_phase`` an output that extends a non-empty partial sum (and does not
+        close the block) is kept aside: the next read forms P = partial + output inside its
+        merge (``depth_merge_update``), and ``sources()`` forms it when asked first.
+        """
         if (key is None) == self.projected:
             raise ValueError("DepthState.add: key must be given exactly when keys are projected")
-        self.partial = output if self.partial is None else self.partial + output
+        self._flush()
+        if self.partial is None:
+            self.partial = output
+        elif self._schedule is not None and not closes_block:
+            self._pending = output
+        else:
+            self.partial = self.partial + output
         if key is not None:
             self.partial_key = key if self.partial_key is None else self.partial_key + key
         self.num_sublayers_done += 1
@@ -104,8 +123,15 @@ class DepthState:
                 self.block_keys.append(self.partial_key)
                 self.partial_key = None
 
+    def _flush(self) -> None:
+        # form the partial sum an output kept aside for a fused merge would have extended
+        if self._pending is not None:
+            self.partial = self.partial + self._pending
+            self._pending = None
+
     def sources(self) -> Tuple[List[Tensor], Optional[List[Tensor]]]:
         """Values [v_0, B_1.., P?] and matching keys (None for sliced keys)."""
+        self._flush()
         values = [self.embedding, *self.blocks]
         if self.partial is not None:
             values.append(self.partial)
@@ -165,6 +191,14 @@ class DepthState:
         out, lse = self._phase1.pop(site)
         if self.partial is None:
             return out
+        if self._pending is not None:
+            with torch.profiler.record_function("depth_merge"):
+                h, self.partial = depth_merge_update(
+                    out, lse, self.partial, self._pending, query, self.partial_key,
+                    eps=config.key_norm_eps, scale=config.depth_scale,
+                    backend=config.depth_backend)
+            self._pending = None
+            return h
         with torch.profiler.record_function("depth_merge"):
             return depth_merge(out, lse, self.partial, query, self.partial_key,
                                eps=config.key_norm_eps, scale=config.depth_scale,

@@ -60,9 +60,21 @@ def _compare(a, b):
 
 @pytest.mark.parametrize("mode,key", [("attnres", "sliced"), ("lr", "sliced"),
                                       ("lr", "projected")])
-def test_two_phase_matches_per_site_over_training_steps(mp, mode, key):
-    """L=3, N=2 (block ends 3, 6): phase 1 serves sites 1-2, 3-5 and 6; sites 2, 4, 5 merge."""
-    _compare(_train("two_phase", "torch", mode, key), _train("per_site", "torch", mode, key))
+def test_two_phase_matches_per_site_over_training_steps(mp, mode, key, monkeypatch):
+    """L=3, N=2 (block ends 3, 6): phase 1 serves sites 1-2, 3-5 and 6; sites 1, 2, 4 and 5
+    merge a partial sum, and sites 2 and 5 form it from the last output in their merge."""
+    import megatron_lrattn.depth_state as ds
+
+    calls = []
+    fused = ds.depth_merge_update
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+    monkeypatch.setattr(ds, "depth_merge_update", counted)
+    two_phase = _train("two_phase", "torch", mode, key)
+    assert len(calls) == 2 * STEPS, len(calls)
+    _compare(two_phase, _train("per_site", "torch", mode, key))
 
 
 def _errors(run, ref):

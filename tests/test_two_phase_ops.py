@@ -24,6 +24,7 @@ import lrattn_kernels.depth_read_multi as kmr  # noqa: E402
 import lrattn_kernels.multi_chunked as kmc  # noqa: E402
 from megatron_lrattn.ops import (  # noqa: E402
     depth_merge,
+    depth_merge_update,
     depth_read,
     depth_read_multi,
     depth_read_multi_naive,
@@ -429,3 +430,80 @@ def test_multi_chunked_tiles_match(name, tiles, monkeypatch):
         monkeypatch.setitem(kdr.TUNE, key, value)
     T, d, r, S, K, projected = STRESS[name]
     check_multi(T, d, r, S, K, torch.float32, projected, "triton")
+
+
+
+def check_merge_update(T, d, r, S, projected, dtype, backend, use=("h", "P")):
+    """depth_merge_update(phase 1 over S sources, P_prev, y): h == depth_read over
+    [sources..., P_prev + y] and P == P_prev + y (bit for bit), every gradient (the upstream
+    gradient reaches h, P or both)."""
+    gen, values, keys, queries = make(T, d, r, S, 1, dtype, projected, seed=2)
+    prev = randn(gen, T, d, dtype=dtype) * 1.5
+    y = randn(gen, T, d, dtype=dtype)
+    pkey = randn(gen, T, r, dtype=dtype) if projected else None
+    query = queries[0]
+    leaves = [query, prev, y, *values, *(keys or []), *([pkey] if projected else [])]
+    for t in leaves:
+        t.requires_grad_()
+    out, lse = depth_read_multi(values, query[None], keys, backend=backend)
+    h, P = depth_merge_update(out[0], lse[0], prev, y, query, pkey, backend=backend)
+    if dtype == torch.float32 or CUDA or backend == "torch":
+        assert torch.equal(P.detach(), (prev + y).detach())
+    else:  # the interpreter rounds fp32 -> bf16 by truncation (the GPU to nearest, as torch)
+        assert rel_rms(P.detach(), (prev + y).detach()) <= TOL[dtype]
+    g_h, g_p = randn(gen, T, d, dtype=dtype), randn(gen, T, d, dtype=dtype)
+    outs, ups = zip(*[(t, g) for name, t, g in (("h", h, g_h), ("P", P, g_p)) if name in use])
+    grads = torch.autograd.grad(outs, leaves, ups, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+    rl = up(leaves)
+    rq, rprev, ry, rv = rl[0], rl[1], rl[2], rl[3:3 + S]
+    rk = [*rl[3 + S:3 + 2 * S], rl[-1]] if projected else None
+    rP = rprev + ry
+    ref_h = depth_read_naive([*rv, rP], rq, rk)
+    ref = dict(h=ref_h, P=rP)
+    ref_grads = torch.autograd.grad([ref[n] for n in use], rl,
+                                    [dict(h=g_h, P=g_p)[n].double() for n in use],
+                                    allow_unused=True)
+    names = ["query", "partial", "update"] + [f"values[{i}]" for i in range(S)] + (
+        [f"keys[{i}]" for i in range(S)] + ["partial_key"] if projected else [])
+    errs = {"h": rel_rms(h, ref_h)}
+    floor = 1e-1 * g_h.double().pow(2).mean().sqrt().item()
+    for name, gr, rg, t in zip(names, grads, ref_grads, leaves):
+        assert gr.dtype == t.dtype and gr.shape == t.shape, name
+        errs[name] = rel_rms(gr, torch.zeros_like(gr, dtype=torch.float64) if rg is None
+                             else rg, floor=floor)
+    assert_table(errs, dtype, MERGED)
+
+
+MERGE_UPDATE = {
+    "sliced": (13, 64, 16, 3, False),
+    "projected": (11, 48, 12, 2, True),
+    "attnres_r_eq_d": (7, 40, 40, 2, False),
+    "one_source": (5, 32, 8, 1, False),
+    "odd_d_1000": (3, 1000, 250, 2, False),
+    "one_token": (1, 24, 6, 3, True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MERGE_UPDATE))
+def test_merge_update_equals_read_over_updated_partial(name, dtype, backend):
+    check_merge_update(*MERGE_UPDATE[name], dtype, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("use", [("h",), ("P",)], ids=["h_only", "P_only"])
+@pytest.mark.parametrize("projected", [False, True])
+def test_merge_update_with_one_output_used(projected, use, backend):
+    T, d, r, S = (9, 48, 12, 2)
+    check_merge_update(T, d, r, S, projected, torch.float32, backend, use=use)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["d2048_sliced", "d2048_attnres", "d4096_projected"])
+def test_merge_update_parity_large_bf16(name):
+    T, d, r, projected = {"d2048_sliced": (4096, 2048, 512, False),
+                          "d2048_attnres": (4096, 2048, 2048, False),
+                          "d4096_projected": (2048, 4096, 1024, True)}[name]
+    check_merge_update(T, d, r, 5, projected, torch.bfloat16, "triton")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -10,6 +10,7 @@ from torch import Tensor
 from megatron_lrattn.ops.reference import depth_read_naive, depth_read_torch
 from megatron_lrattn.ops.two_phase import (
     depth_merge_torch,
+    depth_merge_update_torch,
     depth_read_multi_naive,
     depth_read_multi_torch,
 )
@@ -18,6 +19,7 @@ BACKENDS = ("auto", "torch", "triton")
 
 __all__ = ["depth_read", "depth_read_naive", "depth_read_torch", "depth_read_multi",
            "depth_read_multi_torch", "depth_read_multi_naive", "depth_merge", "depth_merge_torch",
+           "depth_merge_update", "depth_merge_update_torch",
            "triton_available", "BACKENDS"]
 
 
@@ -186,3 +188,46 @@ def depth_merge(
 
         return depth_merge_triton(out, lse, partial, query, partial_key, eps=eps, scale=scale)
     return depth_merge_torch(out, lse, partial, query, partial_key, eps=eps, scale=scale)
+
+
+def depth_merge_update(
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor,
+    update: Tensor,
+    query: Tensor,
+    partial_key: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    backend: str = "auto",
+) -> Tuple[Tensor, Tensor]:
+    """Phase 2 fused with the partial-sum update: ``P = partial + update``, then
+    ``depth_merge(out, lse, P, query, partial_key)``.
+
+    The fused kernel forms, writes and merges P in one pass and, in the backward, adds P's
+    own gradient (its later uses as a source) to the merge's, so the sub-layer output is
+    not added in a separate pass.
+
+    Args:
+        out, lse, query, eps, scale, backend: as in ``depth_merge``.
+        partial: [..., d] the block's partial sum before this sub-layer's output.
+        update: [..., d] that output (same dtype).
+        partial_key: None for sliced keys or the projected key [..., r] of the updated P.
+
+    Returns:
+        (h, P): the merged read and the updated partial sum, [..., d] each; P is
+        ``partial + update`` exactly.
+    """
+    _check([out, partial, update], query,
+           None if partial_key is None else [partial_key] * 3)
+    if lse.shape != out.shape[:-1]:
+        raise ValueError(f"depth_merge_update: lse is {tuple(lse.shape)}, expected "
+                         f"{tuple(out.shape[:-1])}")
+    if _resolve(backend, partial, "depth_merge_update") == "triton":
+        from lrattn_kernels.depth_merge import depth_merge_update_triton
+
+        return depth_merge_update_triton(out, lse, partial, update, query, partial_key,
+                                         eps=eps, scale=scale)
+    return depth_merge_update_torch(out, lse, partial, update, query, partial_key, eps=eps,
+                                    scale=scale)

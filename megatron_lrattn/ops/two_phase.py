@@ -70,6 +70,23 @@ def depth_merge_torch(
     return ((w_o * _acc(out) + w_p * _acc(partial)) / total).to(partial.dtype)
 
 
+def depth_merge_update_torch(
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor,
+    update: Tensor,
+    query: Tensor,
+    partial_key: Optional[Tensor] = None,
+    *,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+) -> Tuple[Tensor, Tensor]:
+    """Reference fused update and merge. Arguments and returns as
+    ``megatron_lrattn.ops.depth_merge_update``."""
+    new = partial + update
+    return depth_merge_torch(out, lse, new, query, partial_key, eps=eps, scale=scale), new
+
+
 def depth_read_multi_naive(
     values: Sequence[Tensor],
     queries: Tensor,
