@@ -78,3 +78,25 @@ def test_rounds_interleave_candidates(monkeypatch):
 @pytest.mark.parametrize("script", GPU_SCRIPTS, ids=lambda p: p.name)
 def test_kernel_box_scripts_parse(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_block_smoke_rows_are_checked(tmp_path):
+    """``--block --block-updates`` on CPU: per-site and two-phase rows of one depth block,
+    then the block whose partial sums are formed from sub-layer outputs (adds then merges,
+    or merges that form them), each checked against the per-site torch reference."""
+    out = tmp_path / "block.csv"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--block", "--tokens", "3", "--block-width",
+         "64", "--block-sources", "2", "--block-sites", "3", "--block-updates", "--csv",
+         str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    got = {(r["keys"], r["backend"]) for r in rows}
+    for keys in ("sliced", "projected"):
+        for arm in ("per_site", "two_phase"):
+            assert (keys, f"block_K3_{arm}") in got, (keys, arm)
+    for keys in ("sliced", "attnres"):
+        for arm in ("per_site_adds", "two_phase_adds", "two_phase_fused_update"):
+            assert (keys, f"block_K3_{arm}") in got, (keys, arm)
+    assert all(r["check"].startswith("ok") for r in rows), [r["check"] for r in rows]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The two-phase schedule in training on the GPU box (one H200, about 8 minutes): GPU time per
 # kernel of one depth block for both schedules, the bf16 DDP model tests on the fused
-# kernels, the tiny preset trained per-site and with the default schedule (two-phase on
-# CUDA; validation losses side by side), then 1b-preset step times: standard, and
-# lr_attnres / attnres per-site and with the default.
+# kernels, the tiny preset (attnres with 2 depth blocks of 4 sub-layers unless TINY_ARGS
+# says otherwise) trained per-site and two-phase (validation losses side by side), then
+# 1b-preset step times: standard, and lr_attnres / attnres per-site and with the default
+# schedule (two-phase on CUDA).
 #   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/two_phase_train.sh
 # ARMS_1B overrides the 1b arms ("residual:schedule" words); SKIP_TINY=1, SKIP_PROFILE=1.
 set -uo pipefail
@@ -36,10 +37,11 @@ TRAIN=(python3 -m megatron_lrattn.cli.pretrain --no-progress)
 step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
     python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
 if [ -z "${SKIP_TINY:-}" ]; then
-    for s in per_site auto; do
-        step "tiny preset, attnres, $s" 150 "${TRAIN[@]}" --preset tiny --residual attnres \
-            --depth-schedule "$s" --log-json "$OUT/tiny_attnres_$s.jsonl"
-        median_step "$OUT/tiny_attnres_$s.jsonl" | tee -a "$OUT/log"
+    for s in per_site two_phase; do
+        step "tiny preset, ${TINY_ARGS:-attnres, 2 blocks}, $s" 150 "${TRAIN[@]}" --preset tiny \
+            ${TINY_ARGS:---residual attnres --num-blocks 2} --depth-schedule "$s" \
+            --log-json "$OUT/tiny_$s.jsonl"
+        median_step "$OUT/tiny_$s.jsonl" | tee -a "$OUT/log"
     done
 fi
 for arm in ${ARMS_1B:-standard:auto lr_attnres:per_site lr_attnres:auto attnres:per_site attnres:auto}; do
