@@ -2,7 +2,9 @@
 
     s_ki = scale * <q_k, RMS(k_i)>,   out_k = sum_i softmax_i(s_ki) v_i,   lse_k = logsumexp_i s_ki
 
-One program owns ``BT`` tokens times the padded width ``BD`` and all K queries (padded to
+``depth_read_multi_triton`` runs the width-chunked passes of ``lrattn_kernels.multi_chunked``
+by default (``TUNE["multi_impl"]`` = 4); the kernels in this file are the earlier phase 1
+(3: 3-D tiles, 2: 2-D tiles), kept selectable for comparison. In those, one program owns ``BT`` tokens times the padded width ``BD`` and all K queries (padded to
 ``BK``): it streams every source once, computes the K logits from the key tile and keeps K
 online-softmax accumulators [BT, BK, BD] in fp32. Sources, outputs and output gradients go
 through pointer tables (``lrattn_kernels.depth_read``), so nothing is stacked. The backward
