@@ -400,8 +400,9 @@ def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Ten
     dlse = dlse.float().contiguous()
     bk, bs = pow2(K), pow2(S)
     # one warp per 256 columns: the dots reduce within a warp (H200 block sweep, S=9: the
-    # block's fwd+bwd 2.51 ms against 2.63 ms at 1024 columns / 4 warps)
-    bc1 = _chunk(d, "mc_dots_chunk", 256)
+    # block's fwd+bwd 2.51 ms against 2.63 ms at 1024 columns / 4 warps); at most 8 chunks
+    # per row, so the transient dot partials stay at 8 S K fp32 per token
+    bc1 = _chunk(d, "mc_dots_chunk", max(256, pow2(d) // 8))
     nc1 = triton.cdiv(d, bc1)
     dots = _alloc((T, nc1, S, K), torch.float32, dev)
     groups = [vs, dvs, gs] + ([ks, dks] if projected else [])

@@ -158,6 +158,7 @@ STRESS = {
     "odd_d_1000": (3, 1000, 250, 3, 6, False),
     "one_token": (1, 40, 10, 3, 6, False),
     "r_one": (5, 24, 1, 3, 2, False),
+    "wide_d4096": (2, 4096, 1024, 3, 2, False),  # phase-1 dot chunks wider than 256
 }
 
 
