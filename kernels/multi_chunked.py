@@ -11,14 +11,16 @@ kernels in ``depth_read_multi``, which keep one program per SM):
 forward   ``_logits_kernel``  keys -> s [T, S, K], rstd [T, S], lse [K, T] (fp32 scalars)
           ``_values_kernel``  one token x BC columns per program: out_k += a_ik v_i
 backward  ``_dots_kernel``    one token x BC1 columns: partial <g_k, v_i> [T, NC1, S, K]
-          ``_dvalues_kernel`` one token x BC columns (persistent over tokens):
-                              dv_i = sum_k a_ik g_k, plus, on chunks holding sliced key
-                              columns, the key gradient and the query-gradient partials
+          ``_dvalues_plain_kernel``  one token x BC columns without key columns:
+                              dv_i = sum_k a_ik g_k
+          ``_dvalues_kernel`` chunks holding sliced key columns (persistent over tokens):
+                              dv_i plus the key gradient, query-gradient partials
           ``_dkeys_kernel``   projected keys: dk_i and the query-gradient partials
 
 Each source row is read once per pass; nothing [T, d]-sized is kept in fp32 (the saved
 tensors are the inputs, s, rstd and lse). Query gradients: fixed-order per-program partials
-reduced afterwards, no atomics. Derivation: ``kernels/README.md`` ("Phase 1 in chunks").
+reduced afterwards, no atomics. Derivation: ``kernels/README.md`` (two-phase block
+schedule, "Phase 1").
 """
 
 from __future__ import annotations

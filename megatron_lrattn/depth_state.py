@@ -33,9 +33,9 @@ def uses_two_phase(config, device: Optional[torch.device] = None) -> bool:
     per-site read in more launches), else ``per_site`` (the reference path on CPU).
 
     Measured on one H200 (docs/kernels.md): a depth block of the L=24, N=8 schedule (K=6
-    sites, d=2048, T=16384, S=9, bf16) takes 2.6 ms forward+backward in two phases against
-    6.0 ms per site for sliced keys (3.9 / 6.1 ms AttnRes, 2.7 / 9.4 ms projected); the 1b
-    preset (K=4) steps in 268.9 ms against 280.3 ms (lr_attnres) and trains alike.
+    sites, d=2048, T=16384, S=9, bf16) takes 2.5 ms forward+backward in two phases against
+    6.0 ms per site for sliced keys (3.8 / 6.1 ms AttnRes, 2.6 / 9.4 ms projected); the 1b
+    preset (K=4) steps in 264.6 ms against 270.8 ms (lr_attnres) and trains alike.
     """
     schedule = getattr(config, "depth_schedule", "per_site")
     if schedule != "auto":
