@@ -315,7 +315,7 @@ def _chunk(d: int, key: str, default: int) -> int:
     return max(16, min(pow2(_tune(key, default)), pow2(d)))
 
 
-def _warps(key: str, bc: int, bk: int) -> int:
+def _warps(key: str, bc: int) -> int:
     # default: 8 chunk columns per thread (16-byte bf16 vectors), at most 8 warps
     return _tune(key, max(1, min(8, bc // 256)))
 
@@ -381,7 +381,7 @@ def forward(vs: List[Tensor], ks: List[Tensor], q: Tensor, eps: float, scale: fl
     _values_kernel[(triton.cdiv(d, bc), T)](
         v_tab, vs_tab, o_tab, vs[0], out_list[0], s, lse, T, S, K, d, BK=bk, BC=bc,
         A=_aligned([vs, out_list], d), PF=_prefetch("mc_prefetch"),
-        num_warps=_warps("mc_warps", bc, bk))
+        num_warps=_warps("mc_warps", bc))
     return outs, lse, s, rstd
 
 
@@ -413,19 +413,19 @@ def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Ten
     aligned = _aligned([vs, dvs, gs], d)
     _dots_kernel[(nc1, T)](
         v_tab, vs_tab, g_tab, gs_tab, vs[0], gs[0], dots, S, K, d, nc1, BK=bk, BC1=bc1,
-        A=aligned, PF=_prefetch("mc_dots_prefetch"), num_warps=_warps("mc_dots_warps", bc1, bk))
+        A=aligned, PF=_prefetch("mc_dots_prefetch"), num_warps=_warps("mc_dots_warps", bc1))
     bc = _chunk(d, "mc_bwd_chunk", 256)
     nc = triton.cdiv(d, bc)
     c0 = nc if projected else (d - r) // bc  # chunks from c0 on hold sliced key columns
     nprog = _programs(T, dev, "mc_ctas_per_sm", 8)
     parts = _alloc((nprog, K, r), torch.float32, dev)
-    warps = _warps("mc_bwd_warps", bc, bk)
+    warps = _warps("mc_bwd_warps", bc)
     args = (v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], q, s, rstd, lse, dlse, dots,
             parts, T, S, K, d, r, nc1)
     if c0 > 0:
         _dvalues_plain_kernel[(c0, T)](g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, T, S, K, d,
                                        BK=bk, BC=bc, A=aligned,
-                                       num_warps=_warps("mc_plain_warps", bc, bk))
+                                       num_warps=_warps("mc_plain_warps", bc))
     if c0 < nc:
         _dvalues_kernel[(nc - c0, nprog)](*args, c0, scale, BK=bk, BC=bc, BS=bs, A=aligned,
                                           PF=_prefetch("mc_keys_prefetch", 3), num_warps=warps)
