@@ -8,6 +8,9 @@ running partial sum P [T, d] (key: its last r columns, or a projected key [T, r]
 program owns ``BT`` tokens times the padded width ``BD``; forward and backward each make one
 pass over ``out`` and ``P``. The backward returns the gradients of ``out``, ``lse`` (fp32),
 ``P``, its key and the query (per-program partials reduced in a second step, no atomics).
+Optionally the merge is followed by the next sub-layer's RMSNorm (``norm_weight``): the
+kernel then writes only RMSNorm(h) * w, and its backward recomputes h from ``out`` and ``P``
+(already loaded) and returns the weight gradient the same two-stage way.
 Derivation: ``kernels/README.md``.
 """
 
@@ -53,11 +56,23 @@ def _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr, rows64, rmask, 
 
 
 @triton.jit
+def _rms_norm(h, w_ptr, cols, d, norm_eps, act_dtype):
+    # xhat = RMS-normalised h (h rounded to the activation dtype first, as the unfused read
+    # stores it), y = xhat * w; returns (y, xhat, 1 / rms, w), fp32
+    hr = h.to(act_dtype).to(tl.float32)
+    nrstd = 1.0 / tl.sqrt(tl.sum(hr * hr, axis=1) / d + norm_eps)
+    w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    xhat = hr * nrstd[:, None]
+    return xhat * w[None, :], xhat, nrstd, w
+
+
+@triton.jit
 def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, h_ptr,
-                y_ptr, y_stride, pn_ptr, T, d, r, eps, scale,
+                y_ptr, y_stride, pn_ptr, w_ptr, T, d, r, eps, scale, norm_eps,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                UPDATE: tl.constexpr):
+                UPDATE: tl.constexpr, NORM: tl.constexpr):
     # UPDATE: the partial sum is p + y, written to pn (rounded as the add would be) and merged
+    # NORM: the output is RMSNorm(h) * w of the merged read h rounded to the activation dtype
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -75,23 +90,28 @@ def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         pv = (pv.to(tl.float32) + yv.to(tl.float32)).to(pn_ptr.dtype.element_ty)
         tl.store(pn_ptr + rows64[:, None] * d + cols[None, :], pv, mask=m2)
     h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv.to(tl.float32)
+    if NORM:
+        h = _rms_norm(h, w_ptr, cols, d, norm_eps, h_ptr.dtype.element_ty)[0]
     tl.store(h_ptr + rows64[:, None] * d + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
 def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
                 g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
-                gp_stride, T, d, r, eps, scale, n_blocks,
+                gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                ADD_GP: tl.constexpr):
+                ADD_GP: tl.constexpr, NORM: tl.constexpr):
     # ADD_GP: the partial sum's own gradient (its later uses) is added to the merge's, so
     # that dp is the gradient of both summands of P = p + y
+    # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
+    # stored), g is turned into dL/dh and the weight gradient is summed per program
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
     rcols = tl.arange(0, BR)
     keycol = (cols >= d - r) & (cols < d)
     gq = tl.zeros([BR], tl.float32)
+    dw = tl.zeros([BD], tl.float32)
     for tb in range(pid, n_blocks, nprog):
         rows = tb * BT + tl.arange(0, BT)
         rmask = rows < T
@@ -105,6 +125,12 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
         pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         pv = pv.to(tl.float32)
+        if NORM:
+            h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv
+            _, xhat, nrstd, w = _rms_norm(h, w_ptr, cols, d, norm_eps, p_ptr.dtype.element_ty)
+            dw += tl.sum(g * xhat, axis=0)
+            gw = g * w[None, :]
+            g = nrstd[:, None] * (gw - xhat * (tl.sum(gw * xhat, axis=1) / d)[:, None])
         # two-source softmax: dlse = a_o a_p (<g, out> - <g, P>), dl_P = -dlse
         dlse = a_o * a_p * (tl.sum(g * o.to(tl.float32), axis=1) - tl.sum(g * pv, axis=1))
         dl_p = -dlse
@@ -128,6 +154,8 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         tl.store(dlse_ptr + rows64, dlse, mask=rmask)
         gq += tl.sum((scale * rstd * dl_p)[:, None] * kf, axis=0)
     tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
+    if NORM:
+        tl.store(dw_part_ptr + pid.to(tl.int64) * d + cols, dw, mask=cols < d)
 
 
 def _tiles(d: int, r: int, T: int):
@@ -140,7 +168,7 @@ def _tiles(d: int, r: int, T: int):
     return bt, bd, br, warps
 
 
-def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update):
+def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm_eps=0.0):
     T, d = partial.shape
     r = q.shape[0]
     h = _dr._alloc((T, d), partial.dtype, partial.device)
@@ -152,23 +180,27 @@ def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update):
         y = update if update is not None else partial
         _fwd_kernel[(triton.cdiv(T, bt),)](
             out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q, h,
-            y, y.stride(0), pn if pn is not None else h, T, d, r, eps, scale,
+            y, y.stride(0), pn if pn is not None else h,
+            norm_w if norm_w is not None else q, T, d, r, eps, scale, norm_eps,
             PROJECTED=projected, BT=bt, BD=bd, BR=br, UPDATE=update is not None,
-            num_warps=warps)
+            NORM=norm_w is not None, num_warps=warps)
     return h, pn
 
 
-def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq):
+def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, norm_w=None,
+               norm_eps=0.0):
     T, d = partial.shape
     r = q.shape[0]
     dev = partial.device
     projected = pkey is not None
+    norm = norm_w is not None
     do = _dr._alloc((T, d), out.dtype, dev)
     dp = _dr._alloc((T, d), partial.dtype, dev)
     dlse = _dr._alloc((T,), torch.float32, dev)
     dkp = _dr._alloc((T, r), pkey.dtype, dev) if projected else None
     if T == 0:
-        return torch.zeros_like(q), do, dlse, dp, dkp
+        gw = torch.zeros_like(norm_w) if norm else None
+        return torch.zeros_like(q), do, dlse, dp, dkp, gw
     g = _rows(grad_h, d)
     gp = _rows(grad_p, d) if grad_p is not None else g
     bt, bd, br, warps = _tiles(d, r, T)
@@ -178,53 +210,72 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq):
     else:
         nprog = min(n_blocks, 2)
     parts = _dr._alloc((nprog, r), torch.float32, dev)
+    w_parts = _dr._alloc((nprog, d), torch.float32, dev) if norm else parts
     kp = pkey if projected else partial
     _bwd_kernel[(nprog,)](
         out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q,
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
-        T, d, r, eps, scale, n_blocks,
-        PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, num_warps=warps)
+        norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
+        PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
+        num_warps=warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
-    return gq, do, dlse, dp, dkp
+    gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
+    return gq, do, dlse, dp, dkp, gw
 
 
 class _DepthMergeTriton(torch.autograd.Function):
-    """Online-softmax merge on flattened [T, d] rows; grads for out, lse, P, key, query."""
+    """Online-softmax merge on flattened [T, d] rows, optionally followed by RMSNorm;
+    grads for out, lse, P, key, query (and the norm weight)."""
 
     @staticmethod
-    def forward(ctx, query, eps, scale, out, lse, partial, pkey):
+    def forward(ctx, query, eps, scale, norm_eps, out, lse, partial, pkey, norm_w):
         q = query.contiguous()
-        h, _ = _merge_fwd(q, eps, scale, out, lse, partial, pkey, None)
-        ctx.save_for_backward(q, out, lse, partial, pkey)
-        ctx.eps, ctx.scale = eps, scale
+        h, _ = _merge_fwd(q, eps, scale, out, lse, partial, pkey, None, norm_w, norm_eps)
+        ctx.save_for_backward(q, out, lse, partial, pkey, norm_w)
+        ctx.eps, ctx.scale, ctx.norm_eps = eps, scale, norm_eps
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        q, out, lse, partial, pkey = ctx.saved_tensors
-        gq, do, dlse, dp, dkp = _merge_bwd(q, ctx.eps, ctx.scale, out, lse, partial, pkey,
-                                           grad_h, None, ctx.needs_input_grad[0])
-        return (gq, None, None, do, dlse, dp, dkp)
+        q, out, lse, partial, pkey, norm_w = ctx.saved_tensors
+        gq, do, dlse, dp, dkp, gw = _merge_bwd(q, ctx.eps, ctx.scale, out, lse, partial, pkey,
+                                               grad_h, None, ctx.needs_input_grad[0], norm_w,
+                                               ctx.norm_eps)
+        return (gq, None, None, None, do, dlse, dp, dkp, gw)
 
 
 class _DepthMergeUpdateTriton(torch.autograd.Function):
-    """P = partial + update formed, written and merged in one pass; the backward adds P's
-    own gradient to the merge's in the same pass and returns it for both summands."""
+    """P = partial + update formed, written and merged in one pass (optionally followed by
+    RMSNorm); the backward adds P's own gradient to the merge's in the same pass and
+    returns it for both summands."""
 
     @staticmethod
-    def forward(ctx, query, eps, scale, out, lse, partial, update, pkey):
+    def forward(ctx, query, eps, scale, norm_eps, out, lse, partial, update, pkey, norm_w):
         q = query.contiguous()
-        h, pn = _merge_fwd(q, eps, scale, out, lse, partial, pkey, update)
-        ctx.save_for_backward(q, out, lse, pn, pkey)
-        ctx.eps, ctx.scale = eps, scale
+        h, pn = _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w, norm_eps)
+        ctx.save_for_backward(q, out, lse, pn, pkey, norm_w)
+        ctx.eps, ctx.scale, ctx.norm_eps = eps, scale, norm_eps
         return h, pn
 
     @staticmethod
     def backward(ctx, grad_h, grad_p):
-        q, out, lse, pn, pkey = ctx.saved_tensors
-        gq, do, dlse, dp, dkp = _merge_bwd(q, ctx.eps, ctx.scale, out, lse, pn, pkey, grad_h,
-                                           grad_p, ctx.needs_input_grad[0])
-        return (gq, None, None, do, dlse, dp, dp, dkp)
+        q, out, lse, pn, pkey, norm_w = ctx.saved_tensors
+        gq, do, dlse, dp, dkp, gw = _merge_bwd(q, ctx.eps, ctx.scale, out, lse, pn, pkey,
+                                               grad_h, grad_p, ctx.needs_input_grad[0], norm_w,
+                                               ctx.norm_eps)
+        return (gq, None, None, None, do, dlse, dp, dp, dkp, gw)
+
+
+def _check_norm(norm_weight: Optional[Tensor], norm_eps: Optional[float], d: int,
+                where: str) -> float:
+    if norm_weight is None:
+        return 0.0
+    if norm_weight.shape != (d,):
+        raise ValueError(f"{where}: norm_weight must be [d] = [{d}], got "
+                         f"{tuple(norm_weight.shape)}")
+    if norm_eps is None or not norm_eps > 0:
+        raise ValueError(f"{where}: norm_eps must be > 0 with norm_weight, got {norm_eps!r}")
+    return float(norm_eps)
 
 
 def depth_merge_triton(
@@ -236,6 +287,8 @@ def depth_merge_triton(
     *,
     eps: float = 1e-6,
     scale: float = 1.0,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: Optional[float] = None,
 ) -> Tensor:
     """Fused phase-2 merge of one site's phase-1 result with the partial sum P.
 
@@ -247,19 +300,26 @@ def depth_merge_triton(
         partial_key: None for sliced keys (last r columns of P) or [..., r].
         eps: epsilon of the key RMS normalisation.
         scale: logit scale tau.
+        norm_weight: [d] weight of the next sub-layer's RMSNorm; when given the result is
+            ``RMSNorm(h) * norm_weight`` (h rounded to the activation dtype, then normalised
+            in fp32), and h itself is never written: the backward recomputes it.
+        norm_eps: that RMSNorm's epsilon (> 0; needed with ``norm_weight``).
 
     Returns:
-        Tensor [..., d] in the dtype of ``partial``.
+        Tensor [..., d] in the dtype of ``partial``: h, or its RMSNorm.
 
     Raises:
-        ValueError: outside the envelope of ``depth_read_triton``.
+        ValueError: outside the envelope of ``depth_read_triton``, or a norm weight that is
+            not [d].
     """
     _check_envelope([out, partial], query, None if partial_key is None else [partial_key])
     shape = partial.shape
     d, r = shape[-1], query.shape[-1]
+    neps = _check_norm(norm_weight, norm_eps, d, "depth_merge_triton")
     h = _DepthMergeTriton.apply(
-        query, eps, scale, _rows(out, d), lse.reshape(-1).float().contiguous(), _rows(partial, d),
-        _rows(partial_key, r) if partial_key is not None else None)
+        query, eps, scale, neps, _rows(out, d), lse.reshape(-1).float().contiguous(),
+        _rows(partial, d), _rows(partial_key, r) if partial_key is not None else None,
+        norm_weight.contiguous() if norm_weight is not None else None)
     return h.reshape(shape)
 
 
@@ -273,28 +333,34 @@ def depth_merge_update_triton(
     *,
     eps: float = 1e-6,
     scale: float = 1.0,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Fused partial-sum update and phase-2 merge: P = partial + update, then the merge of
     the site's phase-1 result with P, in one pass (5 row transfers instead of 6 forward, 6
-    instead of 8 backward).
+    instead of 8 backward; with the next RMSNorm fused, 5 and 6 instead of 7 and 9, and h is
+    not kept for the norm's backward).
 
     Args:
-        out, lse, query, eps, scale: as in ``depth_merge_triton``.
+        out, lse, query, eps, scale, norm_weight, norm_eps: as in ``depth_merge_triton``.
         partial: [..., d] partial sum before this sub-layer's output.
         update: [..., d] the sub-layer output added to it (dtype of ``partial``).
         partial_key: None for sliced keys (the last r columns of P) or the projected key of
             the updated P, [..., r].
 
     Returns:
-        (h, P): the merged read [..., d] and the updated partial sum [..., d], both in the
-        dtype of ``partial``; P equals ``partial + update`` bit for bit.
+        (h, P): the merged read [..., d] (its RMSNorm with ``norm_weight``) and the updated
+        partial sum [..., d], both in the dtype of ``partial``; P equals
+        ``partial + update`` bit for bit.
     """
     _check_envelope([out, partial, update], query,
                     None if partial_key is None else [partial_key])
     shape = partial.shape
     d, r = shape[-1], query.shape[-1]
+    neps = _check_norm(norm_weight, norm_eps, d, "depth_merge_update_triton")
     h, pn = _DepthMergeUpdateTriton.apply(
-        query, eps, scale, _rows(out, d), lse.reshape(-1).float().contiguous(),
+        query, eps, scale, neps, _rows(out, d), lse.reshape(-1).float().contiguous(),
         _rows(partial, d), _rows(update, d),
-        _rows(partial_key, r) if partial_key is not None else None)
+        _rows(partial_key, r) if partial_key is not None else None,
+        norm_weight.contiguous() if norm_weight is not None else None)
     return h.reshape(shape), pn.reshape(shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -111,6 +112,23 @@ def _resolve(backend: str, like: Tensor, where: str) -> str:
     return backend
 
 
+def _check_norm(weight: Optional[Tensor], eps: Optional[float], like: Tensor,
+                where: str) -> None:
+    if weight is None:
+        if eps is not None:
+            raise ValueError(f"{where}: norm_eps={eps!r} given without norm_weight")
+        return
+    d = like.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"{where}: norm_weight must be [d] = [{d}], got {tuple(weight.shape)}")
+    if weight.device != like.device:
+        raise ValueError(f"{where}: norm_weight is on {weight.device}, the rows on "
+                         f"{like.device}")
+    if eps is None or not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"{where}: norm_eps must be a finite number > 0 with norm_weight, "
+                         f"got {eps!r}")
+
+
 def depth_read_multi(
     values: Sequence[Tensor],
     queries: Tensor,
@@ -161,6 +179,8 @@ def depth_merge(
     eps: float = 1e-6,
     scale: float = 1.0,
     backend: str = "auto",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: Optional[float] = None,
 ) -> Tensor:
     """Phase 2 of the two-phase block schedule: add the partial sum P as one more source.
 
@@ -175,19 +195,25 @@ def depth_merge(
         query: [r] query of this site.
         partial_key: None for sliced keys (``partial[..., -r:]``) or [..., r].
         eps, scale, backend: as in ``depth_read``.
+        norm_weight: optional [d] weight of the RMSNorm that follows the read (the next
+            sub-layer's PreNorm): the result is then ``rms_norm(h, norm_weight, norm_eps)``
+            instead of h, fused into the merge by the Triton backend (h is not written).
+        norm_eps: that norm's epsilon (> 0), required with ``norm_weight``.
 
     Returns:
-        Tensor [..., d] in the dtype of ``partial``.
+        Tensor [..., d] in the dtype of ``partial``: h, or its RMSNorm.
     """
     _check([out, partial], query, None if partial_key is None else [partial_key, partial_key])
     if lse.shape != out.shape[:-1]:
         raise ValueError(f"depth_merge: lse is {tuple(lse.shape)}, expected "
                          f"{tuple(out.shape[:-1])}")
+    _check_norm(norm_weight, norm_eps, partial, "depth_merge")
+    kw = dict(eps=eps, scale=scale, norm_weight=norm_weight, norm_eps=norm_eps)
     if _resolve(backend, partial, "depth_merge") == "triton":
         from lrattn_kernels.depth_merge import depth_merge_triton
 
-        return depth_merge_triton(out, lse, partial, query, partial_key, eps=eps, scale=scale)
-    return depth_merge_torch(out, lse, partial, query, partial_key, eps=eps, scale=scale)
+        return depth_merge_triton(out, lse, partial, query, partial_key, **kw)
+    return depth_merge_torch(out, lse, partial, query, partial_key, **kw)
 
 
 def depth_merge_update(
@@ -201,6 +227,8 @@ def depth_merge_update(
     eps: float = 1e-6,
     scale: float = 1.0,
     backend: str = "auto",
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Phase 2 fused with the partial-sum update: ``P = partial + update``, then
     ``depth_merge(out, lse, P, query, partial_key)``.
@@ -210,24 +238,24 @@ def depth_merge_update(
     not added in a separate pass.
 
     Args:
-        out, lse, query, eps, scale, backend: as in ``depth_merge``.
+        out, lse, query, eps, scale, backend, norm_weight, norm_eps: as in ``depth_merge``.
         partial: [..., d] the block's partial sum before this sub-layer's output.
         update: [..., d] that output (same dtype).
         partial_key: None for sliced keys or the projected key [..., r] of the updated P.
 
     Returns:
-        (h, P): the merged read and the updated partial sum, [..., d] each; P is
-        ``partial + update`` exactly.
+        (h, P): the merged read (its RMSNorm with ``norm_weight``) and the updated partial
+        sum, [..., d] each; P is ``partial + update`` exactly.
     """
     _check([out, partial, update], query,
            None if partial_key is None else [partial_key] * 3)
     if lse.shape != out.shape[:-1]:
         raise ValueError(f"depth_merge_update: lse is {tuple(lse.shape)}, expected "
                          f"{tuple(out.shape[:-1])}")
+    _check_norm(norm_weight, norm_eps, partial, "depth_merge_update")
+    kw = dict(eps=eps, scale=scale, norm_weight=norm_weight, norm_eps=norm_eps)
     if _resolve(backend, partial, "depth_merge_update") == "triton":
         from lrattn_kernels.depth_merge import depth_merge_update_triton
 
-        return depth_merge_update_triton(out, lse, partial, update, query, partial_key,
-                                         eps=eps, scale=scale)
-    return depth_merge_update_torch(out, lse, partial, update, query, partial_key, eps=eps,
-                                    scale=scale)
+        return depth_merge_update_triton(out, lse, partial, update, query, partial_key, **kw)
+    return depth_merge_update_torch(out, lse, partial, update, query, partial_key, **kw)

@@ -57,8 +57,13 @@ def depth_merge_torch(
     *,
     eps: float = 1e-6,
     scale: float = 1.0,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: Optional[float] = None,
 ) -> Tensor:
     """Reference phase 2. Arguments and returns as ``megatron_lrattn.ops.depth_merge``."""
+    if norm_weight is not None:
+        h = depth_merge_torch(out, lse, partial, query, partial_key, eps=eps, scale=scale)
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
     r = query.shape[-1]
     key = partial[..., -r:] if partial_key is None else partial_key
     khat, _ = _rms(key, eps)
@@ -80,11 +85,14 @@ def depth_merge_update_torch(
     *,
     eps: float = 1e-6,
     scale: float = 1.0,
+    norm_weight: Optional[Tensor] = None,
+    norm_eps: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference fused update and merge. Arguments and returns as
     ``megatron_lrattn.ops.depth_merge_update``."""
     new = partial + update
-    return depth_merge_torch(out, lse, new, query, partial_key, eps=eps, scale=scale), new
+    return depth_merge_torch(out, lse, new, query, partial_key, eps=eps, scale=scale,
+                             norm_weight=norm_weight, norm_eps=norm_eps), new
 
 
 def depth_read_multi_naive(
