@@ -44,6 +44,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
@@ -55,6 +56,7 @@ import lrattn_kernels.depth_read_multi as kmr  # noqa: E402
 from megatron_lrattn.ops.reference import depth_read_naive, depth_read_torch  # noqa: E402
 
 TOL_BF16 = 1e-2
+NORM_EPS = 1e-5  # RMSNorm epsilon of the --block-updates norm arms (the presets' value)
 DEVICE = "cuda"
 FIELDS = ["date", "gpu", "git_sha", "torch", "triton", "T", "d", "S", "r", "keys", "backend",
           "pass", "ms", "gbytes", "tbps", "pct_copy", "copy_tbps", "peak_mib", "min_mib", "check",
@@ -582,7 +584,7 @@ def block_two_phase(vals, parts, keys, pkeys, queries):
 
 def block_fwd_bwd(fn, inp, grads):
     leaves = [inp["queries"], *inp["vals"], *inp["parts"], *(inp["keys"] or []),
-              *(inp["pkeys"] or [])]
+              *(inp["pkeys"] or []), *(inp.get("norm_w") or [])]
     for t in leaves:
         t.requires_grad_(True)
     outs = fn(**inp)
@@ -814,13 +816,19 @@ def block_updates(T, d, K, copy_tbps, meta, S=9):
     """One block whose partial sums are formed from the K-1 sub-layer outputs y_k
     (P_1 = y_1, P_k = P_{k-1} + y_k), as in the model: per-site reads after torch adds,
     two-phase merges after torch adds, and two-phase merges that form P themselves
-    (``depth_merge_update``). Each arm is checked against the per-site torch reference;
-    CSV rows with GPU busy time (% of copy bandwidth for the block's minimal bytes plus one
-    write of every formed P_k, k >= 2)."""
+    (``depth_merge_update``); then the same three with every site's read followed by its
+    sub-layer's RMSNorm (torch ``rms_norm``, the local spec's norm) and a fourth whose
+    merges apply the norm themselves (``norm_weight``). Each arm is checked against the
+    per-site torch reference (every output and gradient, the norm weights' included); CSV
+    rows with GPU busy time (% of copy bandwidth for the block's minimal bytes plus one
+    write of every formed P_k, k >= 2; the norm adds no minimal bytes)."""
     rows = []
     for keys_kind, r in (("sliced", d // 4), ("attnres", d)):
         inp, grads = block_inputs(T, d, r, S, K, False, seed=5)
         ys = inp.pop("parts")
+        gen = torch.Generator(device=DEVICE).manual_seed(7)
+        norm_w = [(1.0 + 0.2 * torch.randn(d, device=DEVICE, generator=gen)).to(torch.bfloat16)
+                  for _ in range(K)]
         nbytes = {"fwd": (S + 2 * K - 1 + K - 2) * T * d * 2,
                   "fwdbwd": (3 * S + 5 * K - 3 + K - 2) * T * d * 2}
 
@@ -830,34 +838,54 @@ def block_updates(T, d, K, copy_tbps, meta, S=9):
                 ps.append(ps[-1] + y)
             return ps
 
+        def normed(outs, norm_w):
+            if norm_w is None:
+                return outs
+            return [F.rms_norm(h, (d,), w, NORM_EPS) for h, w in zip(outs, norm_w)]
+
         # ``parts`` (block_fwd_bwd's name for them) are the sub-layer outputs y_1..y_{K-1}
-        def per_site(vals, parts, keys, pkeys, queries, read=kdr.depth_read_triton):
-            return block_per_site(read)(vals, partials(parts), keys, pkeys, queries)
+        def per_site(vals, parts, keys, pkeys, queries, norm_w=None, read=kdr.depth_read_triton):
+            return normed(block_per_site(read)(vals, partials(parts), keys, pkeys, queries),
+                          norm_w)
 
-        def added(vals, parts, keys, pkeys, queries):
-            return block_two_phase(vals, partials(parts), keys, pkeys, queries)
+        def added(vals, parts, keys, pkeys, queries, norm_w=None):
+            return normed(block_two_phase(vals, partials(parts), keys, pkeys, queries), norm_w)
 
-        def fused(vals, parts, keys, pkeys, queries):
+        def fused(vals, parts, keys, pkeys, queries, norm_w=None, fuse_norm=False):
             ys = parts
             outs, lse = kmr.depth_read_multi_triton(vals, queries, None, split=True)
             res, p = [outs[0]], ys[0]
             for k in range(1, queries.shape[0]):
+                kw = dict(norm_weight=norm_w[k], norm_eps=NORM_EPS) if fuse_norm else {}
                 if k == 1:
-                    res.append(kmg.depth_merge_triton(outs[1], lse[1], p, queries[1]))
+                    res.append(kmg.depth_merge_triton(outs[1], lse[1], p, queries[1], **kw))
                 else:
                     h, p = kmg.depth_merge_update_triton(outs[k], lse[k], p, ys[k - 1],
-                                                         queries[k])
+                                                         queries[k], **kw)
                     res.append(h)
-            return res
+            if not fuse_norm:
+                return normed(res, norm_w)
+            return [F.rms_norm(res[0], (d,), norm_w[0], NORM_EPS), *res[1:]]
 
         data = dict(inp, parts=ys)
-        up = {k: (None if v is None else v if k == "queries" else [t.float() for t in v])
-              for k, v in data.items()}
-        ref = block_fwd_bwd(functools.partial(per_site, read=depth_read_torch), up,
-                            [g.float() for g in grads])
-        for name, fn in (("per_site_adds", per_site), ("two_phase_adds", added),
-                         ("two_phase_fused_update", fused)):
-            outs, gs = block_fwd_bwd(fn, data, grads)
+        arms = (("per_site_adds", per_site, data), ("two_phase_adds", added, data),
+                ("two_phase_fused_update", fused, data),
+                ("per_site_adds_norm", per_site, dict(data, norm_w=norm_w)),
+                ("two_phase_adds_norm", added, dict(data, norm_w=norm_w)),
+                ("two_phase_fused_update_norm", fused, dict(data, norm_w=norm_w)),
+                ("two_phase_fused_update_fused_norm", functools.partial(fused, fuse_norm=True),
+                 dict(data, norm_w=norm_w)))
+        refs = {}
+        for with_norm in (False, True):
+            src = dict(data, norm_w=norm_w) if with_norm else data
+            up = {k: (None if v is None else v if k == "queries" else [t.float() for t in v])
+                  for k, v in src.items()}
+            refs[with_norm] = block_fwd_bwd(functools.partial(per_site, read=depth_read_torch),
+                                            up, [g.float() for g in grads])
+            del up
+        for name, fn, args in arms:
+            ref = refs["norm_w" in args]
+            outs, gs = block_fwd_bwd(fn, args, grads)
             err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
             ok = err <= 2 * TOL_BF16 * _interp_factor()
             row = dict(meta, T=T, d=d, S=S, r=r, keys=keys_kind,
@@ -868,15 +896,15 @@ def block_updates(T, d, K, copy_tbps, meta, S=9):
                 rows.append(dict(row, **{"pass": "fwdbwd"}))
                 continue
             with torch.no_grad():
-                gf = device_ms(lambda: fn(**data))
-            gb = device_ms(lambda: block_fwd_bwd(fn, data, grads))
+                gf = device_ms(lambda: fn(**args))
+            gb = device_ms(lambda: block_fwd_bwd(fn, args, grads))
             for p, gms in (("fwd", gf), ("fwdbwd", gb)):
                 rows.append(dict(row, **{
                     "pass": p, "gbytes": f"{nbytes[p] / 1e9:.3f}", "gpu_ms": f"{gms:.4f}",
                     "gpu_pct_copy": f"{100 * nbytes[p] / gms / 1e9 / copy_tbps:.1f}"}))
             print(f"block updates d={d} S={S} K={K} {keys_kind} {name}: GPU busy fwd "
                   f"{gf:.3f} ms fwd+bwd {gb:.3f} ms  check {row['check']}", flush=True)
-        del inp, grads, ref, data, up
+        del inp, grads, refs, data
     return rows
 
 

@@ -68,6 +68,12 @@ class LRAttnResConfig(TransformerConfig):
     where the reads run on the fused kernels, on CUDA with depth_backend auto or triton;
     per_site on the reference path). Both give the same result up to rounding."""
 
+    fuse_depth_norm: bool = True
+    """Fuse the next sub-layer's RMSNorm into the two-phase merges where the layer's norm is
+    a ``torch.nn.RMSNorm`` with a weight (the local spec): the merge then writes only the
+    normalised read (``megatron_lrattn.ops.depth_merge(norm_weight=...)``). Norms fused
+    into the following linear (TE spec), LayerNorm and per-site reads are unaffected."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.residual not in RESIDUAL_MODES:

@@ -47,6 +47,19 @@ def uses_two_phase(config, device: Optional[torch.device] = None) -> bool:
     return getattr(config, "depth_backend", "auto") in ("auto", "triton") and triton_available()
 
 
+def fusable_rmsnorm(norm) -> Optional[Tuple[Tensor, Optional[float]]]:
+    """(weight, eps) of a PreNorm a two-phase merge can apply itself, else None.
+
+    Only ``torch.nn.RMSNorm`` with a weight (the local spec's norm) qualifies; its ``eps``
+    may be None (then the input dtype's machine epsilon, as the module uses). LayerNorm, TE
+    norms and the ``IdentityOp`` left where TE fuses the norm into the next linear do not.
+    """
+    if type(norm) is torch.nn.RMSNorm and norm.weight is not None \
+            and len(norm.normalized_shape) == 1:
+        return norm.weight, norm.eps
+    return None
+
+
 @dataclass
 class DepthState:
     """The depth sources seen so far by one microbatch.
@@ -169,7 +182,23 @@ class DepthState:
                 backend=config.depth_backend,
             )
 
-    def _read_two_phase(self, query: Tensor, config, site: int) -> Tensor:
+    def read_normed(self, query: Tensor, config, site: int, norm) -> Tensor:
+        """The next sub-layer's input: ``norm(read(query, config, site))``.
+
+        With the two-phase schedule, a read that merges the partial sum applies the norm
+        inside the merge when ``config.fuse_depth_norm`` and ``norm`` is a
+        ``torch.nn.RMSNorm`` (``fusable_rmsnorm``); otherwise the norm module runs on the
+        read.
+        """
+        fused = fusable_rmsnorm(norm) if getattr(config, "fuse_depth_norm", False) else None
+        if fused is not None and self._schedule is not None and self.partial is not None:
+            with torch.profiler.record_function("depth_read"):
+                return self._read_two_phase(query, config, site, fused)
+        out = norm(self.read(query, config, site=site))
+        # newer megatron-core norms built for a residual return (out, residual)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _read_two_phase(self, query: Tensor, config, site: int, norm=None) -> Tensor:
         n = len(self.blocks)
         if self._phase1_blocks != n:
             self._phase1, self._phase1_blocks = {}, n
@@ -191,15 +220,17 @@ class DepthState:
         out, lse = self._phase1.pop(site)
         if self.partial is None:
             return out
+        kw = dict(eps=config.key_norm_eps, scale=config.depth_scale,
+                  backend=config.depth_backend)
+        if norm is not None:
+            weight, eps = norm
+            kw.update(norm_weight=weight,
+                      norm_eps=torch.finfo(out.dtype).eps if eps is None else eps)
         if self._pending is not None:
             with torch.profiler.record_function("depth_merge"):
                 h, self.partial = depth_merge_update(
-                    out, lse, self.partial, self._pending, query, self.partial_key,
-                    eps=config.key_norm_eps, scale=config.depth_scale,
-                    backend=config.depth_backend)
+                    out, lse, self.partial, self._pending, query, self.partial_key, **kw)
             self._pending = None
             return h
         with torch.profiler.record_function("depth_merge"):
-            return depth_merge(out, lse, self.partial, query, self.partial_key,
-                               eps=config.key_norm_eps, scale=config.depth_scale,
-                               backend=config.depth_backend)
+            return depth_merge(out, lse, self.partial, query, self.partial_key, **kw)

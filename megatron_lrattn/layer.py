@@ -112,11 +112,12 @@ class LRAttnResLayer(TransformerLayer):
                 f"got one after sub-layer {depth_state.num_sublayers_done}"
             )
         if attn_site == 0:
-            x = depth_state.embedding
+            x = _normed(self.input_layernorm, depth_state.embedding)
         else:
-            x = depth_state.read(input_query, self.config, site=attn_site)
+            x = depth_state.read_normed(input_query, self.config, attn_site,
+                                        self.input_layernorm)
         attn = self.self_attention(
-            _normed(self.input_layernorm, x),
+            x,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             rotary_pos_cos=rotary_pos_cos,
@@ -126,7 +127,8 @@ class LRAttnResLayer(TransformerLayer):
         )
         depth_state.add(*self._sublayer_output(attn), self.schedule.closes_block(attn_site + 1))
 
-        x = depth_state.read(pre_mlp_query, self.config, site=attn_site + 1)
-        mlp = self.mlp(_normed(self.pre_mlp_layernorm, x))
+        x = depth_state.read_normed(pre_mlp_query, self.config, attn_site + 1,
+                                    self.pre_mlp_layernorm)
+        mlp = self.mlp(x)
         depth_state.add(*self._sublayer_output(mlp), self.schedule.closes_block(attn_site + 2))
         return depth_state

@@ -83,7 +83,8 @@ def test_kernel_box_scripts_parse(script):
 def test_block_smoke_rows_are_checked(tmp_path):
     """``--block --block-updates`` on CPU: per-site and two-phase rows of one depth block,
     then the block whose partial sums are formed from sub-layer outputs (adds then merges,
-    or merges that form them), each checked against the per-site torch reference."""
+    or merges that form them; then with each read's RMSNorm, the last arm's merges applying
+    it themselves), each checked against the per-site torch reference."""
     out = tmp_path / "block.csv"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
@@ -97,6 +98,8 @@ def test_block_smoke_rows_are_checked(tmp_path):
         for arm in ("per_site", "two_phase"):
             assert (keys, f"block_K3_{arm}") in got, (keys, arm)
     for keys in ("sliced", "attnres"):
-        for arm in ("per_site_adds", "two_phase_adds", "two_phase_fused_update"):
+        for arm in ("per_site_adds", "two_phase_adds", "two_phase_fused_update",
+                    "per_site_adds_norm", "two_phase_adds_norm", "two_phase_fused_update_norm",
+                    "two_phase_fused_update_fused_norm"):
             assert (keys, f"block_K3_{arm}") in got, (keys, arm)
     assert all(r["check"].startswith("ok") for r in rows), [r["check"] for r in rows]

@@ -24,9 +24,10 @@ def mp():
 
 
 def _train(schedule: str, backend: str, mode: str, key: str = "sliced", seed: int = 3,
-           dtype=torch.float64, lr: float = 0.1):
+           dtype=torch.float64, lr: float = 0.1, fuse_norm: bool = True):
     residual = "attnres" if mode == "attnres" else "lr_attnres"
-    depth = dict(num_blocks=2, depth_schedule=schedule, depth_backend=backend)
+    depth = dict(num_blocks=2, depth_schedule=schedule, depth_backend=backend,
+                 fuse_depth_norm=fuse_norm)
     if residual == "lr_attnres":
         depth["key"] = key
     model = build_gpt(tiny_config(residual, num_layers=3, **depth), seed=seed).to(dtype)
@@ -62,19 +63,27 @@ def _compare(a, b):
                                       ("lr", "projected")])
 def test_two_phase_matches_per_site_over_training_steps(mp, mode, key, monkeypatch):
     """L=3, N=2 (block ends 3, 6): phase 1 serves sites 1-2, 3-5 and 6; sites 1, 2, 4 and 5
-    merge a partial sum, and sites 2 and 5 form it from the last output in their merge."""
+    merge a partial sum, and sites 2 and 5 form it from the last output in their merge. Every
+    merge applies the next sub-layer's RMSNorm itself (the layer's norm module is skipped
+    there); with fuse_depth_norm off the norm modules run on the merged reads instead."""
     import megatron_lrattn.depth_state as ds
 
-    calls = []
-    fused = ds.depth_merge_update
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return fused(*args, **kwargs)
-    monkeypatch.setattr(ds, "depth_merge_update", counted)
+    calls = {"depth_merge": [], "depth_merge_update": []}
+    for name in calls:
+        def counted(*args, _op=getattr(ds, name), _log=calls[name], **kwargs):
+            _log.append(kwargs.get("norm_weight") is not None)
+            return _op(*args, **kwargs)
+        monkeypatch.setattr(ds, name, counted)
+    per_site = _train("per_site", "torch", mode, key)
+    assert not any(calls.values())
     two_phase = _train("two_phase", "torch", mode, key)
-    assert len(calls) == 2 * STEPS, len(calls)
-    _compare(two_phase, _train("per_site", "torch", mode, key))
+    assert calls["depth_merge_update"] == [True] * 2 * STEPS, calls
+    assert calls["depth_merge"] == [True] * 2 * STEPS, calls
+    _compare(two_phase, per_site)
+    calls["depth_merge"].clear()
+    unfused = _train("two_phase", "torch", mode, key, fuse_norm=False)
+    assert calls["depth_merge"] == [False] * 2 * STEPS, calls
+    _compare(unfused, per_site)
 
 
 def _errors(run, ref):
@@ -141,10 +150,33 @@ def test_auto_schedule_resolution_and_config_errors(mp):
         tiny_config(num_blocks=2, depth_schedule="blocked")
 
 
+def test_fusable_norms():
+    """Only a weighted torch.nn.RMSNorm is applied inside the merge; the layer's own norm
+    modules (local spec) are such norms."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_lrattn.depth_state import fusable_rmsnorm
+
+    norm = torch.nn.RMSNorm(8, eps=1e-5)
+    weight, eps = fusable_rmsnorm(norm)
+    assert weight is norm.weight and eps == 1e-5
+    assert fusable_rmsnorm(torch.nn.RMSNorm(8))[1] is None
+    assert fusable_rmsnorm(torch.nn.RMSNorm(8, elementwise_affine=False)) is None
+    assert fusable_rmsnorm(torch.nn.RMSNorm((2, 4))) is None
+    assert fusable_rmsnorm(torch.nn.LayerNorm(8)) is None
+    assert fusable_rmsnorm(IdentityOp()) is None
+    model = build_gpt(tiny_config(num_blocks=2, depth_schedule="two_phase"))
+    layer = model.decoder.layers[0]
+    assert fusable_rmsnorm(layer.input_layernorm) is not None
+    assert fusable_rmsnorm(layer.pre_mlp_layernorm) is not None
+
+
 def test_pretrain_flag():
     from megatron_lrattn.training.arguments import build_parser
 
     p = build_parser()
+    assert p.parse_args([]).fuse_depth_norm is True
+    assert p.parse_args(["--no-fuse-depth-norm"]).fuse_depth_norm is False
     assert p.parse_args([]).depth_schedule == "auto"
     assert p.parse_args(["--depth-schedule", "two_phase"]).depth_schedule == "two_phase"
     with pytest.raises(SystemExit):

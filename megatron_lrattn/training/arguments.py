@@ -63,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth-backend", choices=DEPTH_BACKENDS, default="auto")
     g.add_argument("--depth-schedule", choices=DEPTH_SCHEDULES, default="auto",
                    help="per_site reads, two_phase block reads (phase 1 once per block + "
-                        "online-softmax merge per site; opt-in, not faster yet), or auto "
-                        "(per_site)")
+                        "online-softmax merge per site), or auto (two_phase on CUDA with the "
+                        "fused kernels when a depth block has more than one read site, "
+                        "else per_site)")
+    g.add_argument("--fuse-depth-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="fuse the next sub-layer's RMSNorm into the two-phase merges (local "
+                        "spec RMSNorm only; default on)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=positive_int)

@@ -77,6 +77,7 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         depth_scale=args.depth_scale,
         depth_backend=args.depth_backend,
         depth_schedule=getattr(args, "depth_schedule", "auto"),
+        fuse_depth_norm=getattr(args, "fuse_depth_norm", True),
     )
 
 
