@@ -198,9 +198,12 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     if config.uses_depth_attention:
         two_phase = uses_two_phase(config, torch.device("cuda" if torch.cuda.is_available()
                                                         else "cpu"))
-        logger.info("depth reads: %s schedule (--depth-schedule %s), %s backend",
+        logger.info("depth reads: %s schedule (--depth-schedule %s), %s backend%s",
                     "two-phase block" if two_phase else "per-site",
-                    getattr(config, "depth_schedule", "auto"), config.depth_backend)
+                    getattr(config, "depth_schedule", "auto"), config.depth_backend,
+                    ("; merges apply the next RMSNorm (--fuse-depth-norm)"
+                     if config.fuse_depth_norm else "; RMSNorm after the merges "
+                     "(--no-fuse-depth-norm)") if two_phase else "")
     logger.info("args: %s", json.dumps(vars(args), default=str))
 
     fwd_bwd = get_forward_backward_func()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The merge fused with the next sub-layer's RMSNorm on the GPU box (one H200, about 8
+# minutes): the GPU-only tests of the two-phase ops (large bf16 shapes, the fused norm
+# included) and the bf16 DDP model tests on the fused kernels, the depth block whose partial
+# sums are formed from sub-layer outputs with and without each read's RMSNorm (the norm run
+# by torch after the read, or inside the merge), then 1b-preset step times: standard,
+# lr_attnres per-site, and two-phase with the fused norm on and off.
+#   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/norm_fusion.sh
+# ARMS_1B overrides the 1b arms ("residual:schedule[:extra flag]" words).
+set -uo pipefail
+export PYTHONWARNINGS=ignore
+source "$(dirname "$0")/common.sh"
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
+    if ! timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/log"; then
+        echo "== $name FAILED or timed out" | tee -a "$OUT/log"
+        status=1
+    fi
+}
+median_step() {  # median step time of a metrics file, iterations 5.., and the losses
+    python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+t = [r["step_time_s"] for r in rows if r["type"] == "train"][4:]
+loss = [r["loss"] for r in rows if r["type"] == "train"]
+v = [r["loss"] for r in rows if r["type"] == "valid"]
+print(f"median step {statistics.median(t) * 1000:.1f} ms over {len(t)} steps; train loss "
+      f"{' '.join(f'{x:.4f}' for x in loss)}; validation {' -> '.join(f'{x:.4f}' for x in v)}")
+PY
+}
+step "GPU tests: two-phase ops at large bf16 shapes (fused norm included)" 120 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k "large_bf16 or gpu"
+step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
+step "block with partial sums formed from outputs, with and without each read's RMSNorm" 150 \
+    python3 benchmarks/bench_depth_read.py --block --sweep-only --block-updates \
+        --csv "$OUT/norm_fusion_block.csv"
+TRAIN=(python3 -m megatron_lrattn.cli.pretrain --no-progress)
+for arm in ${ARMS_1B:-standard:auto lr_attnres:per_site lr_attnres:auto lr_attnres:auto:--no-fuse-depth-norm}; do
+    res=${arm%%:*} rest=${arm#*:}
+    sched=${rest%%:*} extra=""
+    [ "$rest" != "$sched" ] && extra=${rest#*:}
+    tag=${res}_${sched}${extra//-/_}
+    step "1b preset, $res, $sched ${extra} (mbs 4, gbs 8, seq 2048, 12 iters)" 100 \
+        "${TRAIN[@]}" --preset 1b --residual "$res" --depth-schedule "$sched" $extra \
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 12 --lr-warmup-iters 2 \
+        --eval-interval 12 --eval-iters 1 --log-json "$OUT/1b_$tag.jsonl"
+    median_step "$OUT/1b_$tag.jsonl" | tee -a "$OUT/log"
+done
+echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
+exit $status
