@@ -100,11 +100,13 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
                 g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
                 gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                ADD_GP: tl.constexpr, NORM: tl.constexpr):
+                ADD_GP: tl.constexpr, NORM: tl.constexpr, NORM_ONE_ROUND: tl.constexpr):
     # ADD_GP: the partial sum's own gradient (its later uses) is added to the merge's, so
     # that dp is the gradient of both summands of P = p + y
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
-    # stored), g is turned into dL/dh and the weight gradient is summed per program
+    # stored), g is turned into dL/dh and the weight gradient is summed per program.
+    # NORM_ONE_ROUND (TUNE merge_norm_one_round, default 1): all row sums in one round
+    # instead of the norm's two before the merge's
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -125,14 +127,39 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
         pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         pv = pv.to(tl.float32)
-        if NORM:
-            h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv
-            _, xhat, nrstd, w = _rms_norm(h, w_ptr, cols, d, norm_eps, p_ptr.dtype.element_ty)
-            dw += tl.sum(g * xhat, axis=0)
+        of = o.to(tl.float32)
+        if NORM and NORM_ONE_ROUND:
+            # dL/dh = n gw - b hr with n = 1/rms(hr), b = n^3 <gw, hr> / d: every row sum the
+            # backward needs (<hr, hr>, <gw, hr> and <dL/dh, out>, <dL/dh, P> expanded) is
+            # taken in one round of independent reductions
+            h = a_o[:, None] * of + a_p[:, None] * pv
+            hr = h.to(p_ptr.dtype.element_ty).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
             gw = g * w[None, :]
-            g = nrstd[:, None] * (gw - xhat * (tl.sum(gw * xhat, axis=1) / d)[:, None])
+            s_hh = tl.sum(hr * hr, axis=1)
+            s_gh = tl.sum(gw * hr, axis=1)
+            s_go = tl.sum(gw * of, axis=1)
+            s_gp = tl.sum(gw * pv, axis=1)
+            s_ho = tl.sum(hr * of, axis=1)
+            s_hp = tl.sum(hr * pv, axis=1)
+            nrstd = 1.0 / tl.sqrt(s_hh / d + norm_eps)
+            b = nrstd * nrstd * nrstd * s_gh / d
+            dw += tl.sum(g * hr * nrstd[:, None], axis=0)
+            g = nrstd[:, None] * gw - b[:, None] * hr
+            dot_o = nrstd * s_go - b * s_ho
+            dot_p = nrstd * s_gp - b * s_hp
+        else:
+            if NORM:
+                h = a_o[:, None] * of + a_p[:, None] * pv
+                _, xhat, nrstd, w = _rms_norm(h, w_ptr, cols, d, norm_eps,
+                                              p_ptr.dtype.element_ty)
+                dw += tl.sum(g * xhat, axis=0)
+                gw = g * w[None, :]
+                g = nrstd[:, None] * (gw - xhat * (tl.sum(gw * xhat, axis=1) / d)[:, None])
+            dot_o = tl.sum(g * of, axis=1)
+            dot_p = tl.sum(g * pv, axis=1)
         # two-source softmax: dlse = a_o a_p (<g, out> - <g, P>), dl_P = -dlse
-        dlse = a_o * a_p * (tl.sum(g * o.to(tl.float32), axis=1) - tl.sum(g * pv, axis=1))
+        dlse = a_o * a_p * (dot_o - dot_p)
         dl_p = -dlse
         c = rstd * rstd * l_p / r * dl_p
         dp = a_p[:, None] * g
@@ -217,7 +244,7 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
         PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
-        num_warps=warps)
+        NORM_ONE_ROUND=bool(_dr.TUNE.get("merge_norm_one_round", 1)), num_warps=warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw

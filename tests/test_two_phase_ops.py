@@ -569,6 +569,14 @@ def test_merge_with_fused_rmsnorm_equals_read_then_norm(name, dtype, update, bac
     check_merge_norm(*MERGE_UPDATE[name], dtype, backend, update)
 
 
+@pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
+@pytest.mark.parametrize("name", ["sliced", "projected", "odd_d_1000"])
+def test_fused_rmsnorm_two_round_backward_matches(name, update, monkeypatch):
+    """The norm backward with its row sums taken before the merge's (two rounds)."""
+    monkeypatch.setitem(kdr.TUNE, "merge_norm_one_round", 0)
+    check_merge_norm(*MERGE_UPDATE[name], torch.bfloat16, "triton", update)
+
+
 def test_fused_rmsnorm_matches_the_torch_module():
     """What the layer fuses: torch.nn.RMSNorm applied to the unfused merge's output."""
     gen, values, _, queries = make(9, 48, 12, 3, 1, torch.float32, False, seed=4)
