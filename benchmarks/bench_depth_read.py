@@ -692,6 +692,9 @@ def main():
     ap.add_argument("--block-updates", action="store_true",
                     help="with --block: partial sums formed from sub-layer outputs (adds then "
                          "merges, or merges that form them)")
+    ap.add_argument("--block-norm-sweep", action="store_true",
+                    help="with --block-updates: merge tile settings timed on the fused-norm "
+                         "block")
     ap.add_argument("--block-profile", action="store_true",
                     help="with --block: GPU time per kernel of one block, both schedules")
     ap.add_argument("--sweep-only", action="store_true",
@@ -812,7 +815,7 @@ def block_sweep(T, d, K, copy_tbps):
     kdr.TUNE.clear()
 
 
-def block_updates(T, d, K, copy_tbps, meta, S=9):
+def block_updates(T, d, K, copy_tbps, meta, S=9, sweep_norm=False):
     """One block whose partial sums are formed from the K-1 sub-layer outputs y_k
     (P_1 = y_1, P_k = P_{k-1} + y_k), as in the model: per-site reads after torch adds,
     two-phase merges after torch adds, and two-phase merges that form P themselves
@@ -904,8 +907,26 @@ def block_updates(T, d, K, copy_tbps, meta, S=9):
                     "gpu_pct_copy": f"{100 * nbytes[p] / gms / 1e9 / copy_tbps:.1f}"}))
             print(f"block updates d={d} S={S} K={K} {keys_kind} {name}: GPU busy fwd "
                   f"{gf:.3f} ms fwd+bwd {gb:.3f} ms  check {row['check']}", flush=True)
+            if sweep_norm and name == "two_phase_fused_update_fused_norm":
+                for tune in NORM_SWEEP:
+                    kdr.TUNE.clear()
+                    kdr.TUNE.update(tune)
+                    o2, g2 = block_fwd_bwd(fn, args, grads)
+                    e2 = max(rel_rms(a, b) for a, b in zip([*o2, *g2], [*ref[0], *ref[1]]))
+                    with torch.no_grad():
+                        sf = device_ms(lambda: fn(**args))
+                    sb = device_ms(lambda: block_fwd_bwd(fn, args, grads))
+                    print(f"  fused-norm sweep {keys_kind} {tune}: GPU busy fwd {sf:.3f} ms "
+                          f"fwd+bwd {sb:.3f} ms  check {e2:.1e}", flush=True)
+                kdr.TUNE.clear()
         del inp, grads, refs, data
     return rows
+
+
+# --block-norm-sweep: merge settings timed on the block with the fused norm
+NORM_SWEEP = ({"merge_norm_one_round": 0}, {"merge_tile": 4096}, {"merge_tile": 4096,
+              "merge_warps": 8}, {"merge_ctas_per_sm": 4}, {"merge_ctas_per_sm": 16},
+              {"merge_warps": 8})
 
 
 def block_profile(T, d, K, S=9):
@@ -952,8 +973,8 @@ def run_blocks(args, T, copy_tbps, meta):
         block_sweep(T, d, K, copy_tbps)
     if args.block_updates:
         with open(args.csv, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=FIELDS).writerows(block_updates(T, d, K, copy_tbps,
-                                                                        meta))
+            csv.DictWriter(f, fieldnames=FIELDS).writerows(
+                block_updates(T, d, K, copy_tbps, meta, sweep_norm=args.block_norm_sweep))
     if args.block_profile and DEVICE == "cuda":
         block_profile(T, d, K)
 
