@@ -693,8 +693,8 @@ def main():
                     help="with --block: partial sums formed from sub-layer outputs (adds then "
                          "merges, or merges that form them)")
     ap.add_argument("--block-norm-sweep", action="store_true",
-                    help="with --block-updates: merge tile settings timed on the fused-norm "
-                         "block")
+                    help="with --block-updates: merge settings timed on the blocks with "
+                         "fused updates")
     ap.add_argument("--block-profile", action="store_true",
                     help="with --block: GPU time per kernel of one block, both schedules")
     ap.add_argument("--sweep-only", action="store_true",
@@ -907,7 +907,8 @@ def block_updates(T, d, K, copy_tbps, meta, S=9, sweep_norm=False):
                     "gpu_pct_copy": f"{100 * nbytes[p] / gms / 1e9 / copy_tbps:.1f}"}))
             print(f"block updates d={d} S={S} K={K} {keys_kind} {name}: GPU busy fwd "
                   f"{gf:.3f} ms fwd+bwd {gb:.3f} ms  check {row['check']}", flush=True)
-            if sweep_norm and name == "two_phase_fused_update_fused_norm":
+            if sweep_norm and name.startswith("two_phase_fused_update") and name != \
+                    "two_phase_fused_update_norm":
                 for tune in NORM_SWEEP:
                     kdr.TUNE.clear()
                     kdr.TUNE.update(tune)
@@ -916,17 +917,18 @@ def block_updates(T, d, K, copy_tbps, meta, S=9, sweep_norm=False):
                     with torch.no_grad():
                         sf = device_ms(lambda: fn(**args))
                     sb = device_ms(lambda: block_fwd_bwd(fn, args, grads))
-                    print(f"  fused-norm sweep {keys_kind} {tune}: GPU busy fwd {sf:.3f} ms "
+                    print(f"  merge sweep {keys_kind} {name} {tune}: GPU busy fwd {sf:.3f} ms "
                           f"fwd+bwd {sb:.3f} ms  check {e2:.1e}", flush=True)
                 kdr.TUNE.clear()
         del inp, grads, refs, data
     return rows
 
 
-# --block-norm-sweep: merge settings timed on the block with the fused norm
-NORM_SWEEP = ({"merge_norm_one_round": 0}, {"merge_tile": 4096}, {"merge_tile": 4096,
-              "merge_warps": 8}, {"merge_ctas_per_sm": 4}, {"merge_ctas_per_sm": 16},
-              {"merge_warps": 8})
+# --block-norm-sweep: merge settings timed on the blocks with fused updates (and norm)
+NORM_SWEEP = ({}, {"merge_norm_mode": 0}, {"merge_norm_mode": 2}, {"merge_early_loads": 1},
+              {"merge_norm_mode": 2, "merge_early_loads": 1},
+              {"merge_norm_mode": 2, "merge_early_loads": 1, "merge_ctas_per_sm": 4},
+              {"merge_norm_mode": 2, "merge_early_loads": 1, "merge_warps": 8})
 
 
 def block_profile(T, d, K, S=9):

@@ -100,13 +100,16 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
                 g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
                 gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                ADD_GP: tl.constexpr, NORM: tl.constexpr, NORM_ONE_ROUND: tl.constexpr):
+                ADD_GP: tl.constexpr, NORM: tl.constexpr, NORM_MODE: tl.constexpr,
+                EARLY_LOADS: tl.constexpr):
     # ADD_GP: the partial sum's own gradient (its later uses) is added to the merge's, so
     # that dp is the gradient of both summands of P = p + y
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
     # stored), g is turned into dL/dh and the weight gradient is summed per program.
-    # NORM_ONE_ROUND (TUNE merge_norm_one_round, default 1): all row sums in one round
-    # instead of the norm's two before the merge's
+    # NORM_MODE (TUNE merge_norm_mode): 0 the norm's row sums, then the merge's; 1 all row
+    # sums in one round after the key's; 2 all row sums from the loaded rows alone (h not
+    # rounded), in the same round as the key's. EARLY_LOADS (merge_early_loads): the rows
+    # are loaded before the key's reductions
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -119,16 +122,40 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         rmask = rows < T
         rows64 = rows.to(tl.int64)
         m2 = rmask[:, None] & (cols < d)[None, :]
+        if EARLY_LOADS:  # the row loads issued before the key's reductions
+            g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+            o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+            pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
                                               lse_ptr, rows64, rmask, rcols, d, r, eps, scale,
                                               PROJECTED)
-        g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+        if not EARLY_LOADS:
+            g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+            o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+            pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         g = g.to(tl.float32)
-        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         pv = pv.to(tl.float32)
         of = o.to(tl.float32)
-        if NORM and NORM_ONE_ROUND:
+        if NORM and NORM_MODE == 2:
+            # expanded: h = a_o out + a_p P (unrounded), so every row sum is a sum over loaded
+            # rows only (<o,o>, <o,P>, <P,P>, <gw,o>, <gw,P>), independent of the key's
+            # reductions; dL/dh = n gw - b h, n = 1/rms(h), b = n^3 <gw, h> / d
+            w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+            gw = g * w[None, :]
+            s_oo = tl.sum(of * of, axis=1)
+            s_op = tl.sum(of * pv, axis=1)
+            s_pp = tl.sum(pv * pv, axis=1)
+            s_go = tl.sum(gw * of, axis=1)
+            s_gp = tl.sum(gw * pv, axis=1)
+            s_hh = a_o * a_o * s_oo + 2.0 * a_o * a_p * s_op + a_p * a_p * s_pp
+            nrstd = 1.0 / tl.sqrt(s_hh / d + norm_eps)
+            b = nrstd * nrstd * nrstd * (a_o * s_go + a_p * s_gp) / d
+            h = a_o[:, None] * of + a_p[:, None] * pv
+            dw += tl.sum(g * h * nrstd[:, None], axis=0)
+            g = nrstd[:, None] * gw - b[:, None] * h
+            dot_o = nrstd * s_go - b * (a_o * s_oo + a_p * s_op)
+            dot_p = nrstd * s_gp - b * (a_o * s_op + a_p * s_pp)
+        elif NORM and NORM_MODE == 1:
             # dL/dh = n gw - b hr with n = 1/rms(hr), b = n^3 <gw, hr> / d: every row sum the
             # backward needs (<hr, hr>, <gw, hr> and <dL/dh, out>, <dL/dh, P> expanded) is
             # taken in one round of independent reductions
@@ -244,7 +271,8 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
         PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
-        NORM_ONE_ROUND=bool(_dr.TUNE.get("merge_norm_one_round", 1)), num_warps=warps)
+        NORM_MODE=int(_dr.TUNE.get("merge_norm_mode", 1)),
+        EARLY_LOADS=bool(_dr.TUNE.get("merge_early_loads", 0)), num_warps=warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw
