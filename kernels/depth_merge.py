@@ -107,9 +107,12 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
     # stored), g is turned into dL/dh and the weight gradient is summed per program.
     # NORM_MODE (TUNE merge_norm_mode): 0 the norm's row sums, then the merge's; 1 all row
-    # sums in one round after the key's; 2 all row sums from the loaded rows alone (h not
-    # rounded), in the same round as the key's. EARLY_LOADS (merge_early_loads): the rows
-    # are loaded before the key's reductions
+    # sums in one round after the key's; 2 (default) all row sums from the loaded rows alone
+    # (h not rounded), in the same round as the key's. EARLY_LOADS (merge_early_loads,
+    # default 1): the rows are loaded before the key's reductions. One H200, d=2048, S=9,
+    # K=6 block with fused updates and norms, fwd+bwd GPU busy time: 3.64 ms (mode 1),
+    # 3.60 (0), 3.50 (2), 3.31 (1 + early loads), 3.27 (2 + early loads); without the norm
+    # early loads take the block from 2.91 to 2.72 ms
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -271,8 +274,8 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
         PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
-        NORM_MODE=int(_dr.TUNE.get("merge_norm_mode", 1)),
-        EARLY_LOADS=bool(_dr.TUNE.get("merge_early_loads", 0)), num_warps=warps)
+        NORM_MODE=int(_dr.TUNE.get("merge_norm_mode", 2)),
+        EARLY_LOADS=bool(_dr.TUNE.get("merge_early_loads", 1)), num_warps=warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw

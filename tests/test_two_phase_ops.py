@@ -569,10 +569,11 @@ def test_merge_with_fused_rmsnorm_equals_read_then_norm(name, dtype, update, bac
     check_merge_norm(*MERGE_UPDATE[name], dtype, backend, update)
 
 
-@pytest.mark.parametrize("tune", [{"merge_norm_mode": 0}, {"merge_norm_mode": 2},
-                                  {"merge_norm_mode": 2, "merge_early_loads": 1},
-                                  {"merge_early_loads": 1}],
-                         ids=["two_rounds", "expanded", "expanded_early", "early_loads"])
+@pytest.mark.parametrize("tune", [{"merge_norm_mode": 0, "merge_early_loads": 0},
+                                  {"merge_norm_mode": 1, "merge_early_loads": 0},
+                                  {"merge_norm_mode": 2, "merge_early_loads": 0},
+                                  {"merge_norm_mode": 1, "merge_early_loads": 1}],
+                         ids=["two_rounds", "one_round", "expanded_late", "one_round_early"])
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
 @pytest.mark.parametrize("name", ["sliced", "projected", "odd_d_1000"])
 def test_fused_rmsnorm_backward_variants_match(name, update, tune, monkeypatch):
@@ -586,8 +587,9 @@ def test_fused_rmsnorm_backward_variants_match(name, update, tune, monkeypatch):
 
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
 @pytest.mark.parametrize("projected", [False, True])
-def test_merge_early_loads_match(projected, update, monkeypatch):
-    monkeypatch.setitem(kdr.TUNE, "merge_early_loads", 1)
+def test_merge_late_loads_match(projected, update, monkeypatch):
+    """The merge with its rows loaded after the key's reductions (the former default)."""
+    monkeypatch.setitem(kdr.TUNE, "merge_early_loads", 0)
     if update:
         check_merge_update(9, 48, 12, 2, projected, torch.bfloat16, "triton")
     else:
