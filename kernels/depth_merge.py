@@ -70,9 +70,10 @@ def _rms_norm(h, w_ptr, cols, d, norm_eps, act_dtype):
 def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, h_ptr,
                 y_ptr, y_stride, pn_ptr, w_ptr, T, d, r, eps, scale, norm_eps,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                UPDATE: tl.constexpr, NORM: tl.constexpr):
+                UPDATE: tl.constexpr, NORM: tl.constexpr, EARLY_LOADS: tl.constexpr):
     # UPDATE: the partial sum is p + y, written to pn (rounded as the add would be) and merged
     # NORM: the output is RMSNorm(h) * w of the merged read h rounded to the activation dtype
+    # EARLY_LOADS (TUNE merge_fwd_early_loads): the rows loaded before the key's reductions
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -80,13 +81,22 @@ def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
     cols = tl.arange(0, BD)
     rcols = tl.arange(0, BR)
     m2 = rmask[:, None] & (cols < d)[None, :]
+    if EARLY_LOADS:  # the row loads issued before the key's reductions
+        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+        if UPDATE:
+            yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2,
+                         other=0.0)
     kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr,
                                           rows64, rmask, rcols, d, r, eps, scale, PROJECTED,
                                           y_ptr, y_stride, UPDATE)
-    o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-    pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+    if not EARLY_LOADS:
+        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+        if UPDATE:
+            yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2,
+                         other=0.0)
     if UPDATE:
-        yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2, other=0.0)
         pv = (pv.to(tl.float32) + yv.to(tl.float32)).to(pn_ptr.dtype.element_ty)
         tl.store(pn_ptr + rows64[:, None] * d + cols[None, :], pv, mask=m2)
     h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv.to(tl.float32)
@@ -240,7 +250,8 @@ def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm
             y, y.stride(0), pn if pn is not None else h,
             norm_w if norm_w is not None else q, T, d, r, eps, scale, norm_eps,
             PROJECTED=projected, BT=bt, BD=bd, BR=br, UPDATE=update is not None,
-            NORM=norm_w is not None, num_warps=warps)
+            NORM=norm_w is not None,
+            EARLY_LOADS=bool(_dr.TUNE.get("merge_fwd_early_loads", 0)), num_warps=warps)
     return h, pn
 
 

@@ -572,8 +572,10 @@ def test_merge_with_fused_rmsnorm_equals_read_then_norm(name, dtype, update, bac
 @pytest.mark.parametrize("tune", [{"merge_norm_mode": 0, "merge_early_loads": 0},
                                   {"merge_norm_mode": 1, "merge_early_loads": 0},
                                   {"merge_norm_mode": 2, "merge_early_loads": 0},
-                                  {"merge_norm_mode": 1, "merge_early_loads": 1}],
-                         ids=["two_rounds", "one_round", "expanded_late", "one_round_early"])
+                                  {"merge_norm_mode": 1, "merge_early_loads": 1},
+                                  {"merge_fwd_early_loads": 1}],
+                         ids=["two_rounds", "one_round", "expanded_late", "one_round_early",
+                              "fwd_early"])
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
 @pytest.mark.parametrize("name", ["sliced", "projected", "odd_d_1000"])
 def test_fused_rmsnorm_backward_variants_match(name, update, tune, monkeypatch):
@@ -587,9 +589,12 @@ def test_fused_rmsnorm_backward_variants_match(name, update, tune, monkeypatch):
 
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
 @pytest.mark.parametrize("projected", [False, True])
-def test_merge_late_loads_match(projected, update, monkeypatch):
-    """The merge with its rows loaded after the key's reductions (the former default)."""
-    monkeypatch.setitem(kdr.TUNE, "merge_early_loads", 0)
+@pytest.mark.parametrize("tune", [{"merge_early_loads": 0}, {"merge_fwd_early_loads": 1}],
+                         ids=["bwd_late", "fwd_early"])
+def test_merge_load_order_variants_match(projected, update, tune, monkeypatch):
+    """The merges with their rows loaded before or after the key's reductions."""
+    for key, value in tune.items():
+        monkeypatch.setitem(kdr.TUNE, key, value)
     if update:
         check_merge_update(9, 48, 12, 2, projected, torch.bfloat16, "triton")
     else:
