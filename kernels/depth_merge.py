@@ -73,7 +73,9 @@ def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
                 UPDATE: tl.constexpr, NORM: tl.constexpr, EARLY_LOADS: tl.constexpr):
     # UPDATE: the partial sum is p + y, written to pn (rounded as the add would be) and merged
     # NORM: the output is RMSNorm(h) * w of the merged read h rounded to the activation dtype
-    # EARLY_LOADS (TUNE merge_fwd_early_loads): the rows loaded before the key's reductions
+    # EARLY_LOADS (TUNE merge_fwd_early_loads, default 0): the rows loaded before the key's
+    # reductions (one H200, the d=2048 S=9 K=6 block: no change, 0.936-1.337 ms forward
+    # against 0.940-1.332; one program per token keeps enough loads in flight already)
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
