@@ -86,6 +86,8 @@ class LRAttnResConfig(TransformerConfig):
             raise _bad("depth_schedule", self.depth_schedule,
                        f"one of {', '.join(DEPTH_SCHEDULES)} (two_phase with depth_backend torch "
                        "runs the reference ops)")
+        if not isinstance(self.fuse_depth_norm, bool):
+            raise _bad("fuse_depth_norm", self.fuse_depth_norm, "True or False")
         d = self.hidden_size
         if self.residual == "standard":
             if self.rank is not None:

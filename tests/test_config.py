@@ -30,6 +30,7 @@ OUR_FIELDS = {
     "depth_scale": 1.0,
     "depth_backend": "auto",
     "depth_schedule": "auto",
+    "fuse_depth_norm": True,
 }
 
 
@@ -209,6 +210,11 @@ def test_unknown_backend(name):
     allowed = "one of " + ", ".join(DEPTH_BACKENDS)
     expect_error("depth_backend", name, allowed, depth_backend=name)
     expect_error("depth_backend", name, allowed, depth_backend=name, residual="standard")
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_fuse_depth_norm_is_a_bool(value):
+    expect_error("fuse_depth_norm", value, "True or False", fuse_depth_norm=value)
 
 
 @pytest.mark.parametrize("residual", ["lr_attnres", "attnres"])
