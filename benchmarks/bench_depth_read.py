@@ -926,7 +926,7 @@ def block_updates(T, d, K, copy_tbps, meta, S=9, sweep_norm=False):
 
 # --block-norm-sweep: merge settings timed on the blocks with fused updates (and norm)
 NORM_SWEEP = ({}, {"merge_fwd_early_loads": 1}, {"merge_fwd_early_loads": 1, "merge_tile": 4096},
-              {"merge_norm_mode": 1}, {"merge_early_loads": 0},
+              {"merge_norm_mode": 0}, {"merge_early_loads": 0},
               {"merge_fwd_early_loads": 1, "merge_warps": 8})
 
 

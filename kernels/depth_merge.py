@@ -118,13 +118,14 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
     # that dp is the gradient of both summands of P = p + y
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
     # stored), g is turned into dL/dh and the weight gradient is summed per program.
-    # NORM_MODE (TUNE merge_norm_mode): 0 the norm's row sums, then the merge's; 1 all row
-    # sums in one round after the key's; 2 (default) all row sums from the loaded rows alone
-    # (h not rounded), in the same round as the key's. EARLY_LOADS (merge_early_loads,
-    # default 1): the rows are loaded before the key's reductions. One H200, d=2048, S=9,
-    # K=6 block with fused updates and norms, fwd+bwd GPU busy time: 3.64 ms (mode 1),
-    # 3.60 (0), 3.50 (2), 3.31 (1 + early loads), 3.27 (2 + early loads); without the norm
-    # early loads take the block from 2.91 to 2.72 ms
+    # NORM_MODE (TUNE merge_norm_mode): 0 the norm's row sums, then the merge's (two more
+    # rounds of reductions); 2 (default) all row sums from the loaded rows alone (h not
+    # rounded), in the same round as the key's. EARLY_LOADS (merge_early_loads, default 1):
+    # the rows are loaded before the key's reductions. One H200, d=2048, S=9, K=6 block with
+    # fused updates and norms, fwd+bwd GPU busy time: 3.60 ms (mode 0), 3.50 (2), 3.27
+    # (2 + early loads); a former mode 1 (row sums of the rounded h in one round after the
+    # key's) took 3.64, 3.30 with early loads. Without the norm early loads take the block
+    # from 2.91 to 2.72 ms
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -170,26 +171,6 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
             g = nrstd[:, None] * gw - b[:, None] * h
             dot_o = nrstd * s_go - b * (a_o * s_oo + a_p * s_op)
             dot_p = nrstd * s_gp - b * (a_o * s_op + a_p * s_pp)
-        elif NORM and NORM_MODE == 1:
-            # dL/dh = n gw - b hr with n = 1/rms(hr), b = n^3 <gw, hr> / d: every row sum the
-            # backward needs (<hr, hr>, <gw, hr> and <dL/dh, out>, <dL/dh, P> expanded) is
-            # taken in one round of independent reductions
-            h = a_o[:, None] * of + a_p[:, None] * pv
-            hr = h.to(p_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-            gw = g * w[None, :]
-            s_hh = tl.sum(hr * hr, axis=1)
-            s_gh = tl.sum(gw * hr, axis=1)
-            s_go = tl.sum(gw * of, axis=1)
-            s_gp = tl.sum(gw * pv, axis=1)
-            s_ho = tl.sum(hr * of, axis=1)
-            s_hp = tl.sum(hr * pv, axis=1)
-            nrstd = 1.0 / tl.sqrt(s_hh / d + norm_eps)
-            b = nrstd * nrstd * nrstd * s_gh / d
-            dw += tl.sum(g * hr * nrstd[:, None], axis=0)
-            g = nrstd[:, None] * gw - b[:, None] * hr
-            dot_o = nrstd * s_go - b * s_ho
-            dot_p = nrstd * s_gp - b * s_hp
         else:
             if NORM:
                 h = a_o[:, None] * of + a_p[:, None] * pv
@@ -279,6 +260,10 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         nprog = min(n_blocks, _dr._sm_count(dev.index) * _dr.TUNE.get("merge_ctas_per_sm", 8))
     else:
         nprog = min(n_blocks, 2)
+    norm_mode = int(_dr.TUNE.get("merge_norm_mode", 2))
+    if norm_mode not in (0, 2):
+        raise ValueError(f"lrattn_kernels.depth_merge: TUNE merge_norm_mode={norm_mode}, "
+                         "allowed: 0 (two rounds of row sums) or 2 (one, expanded)")
     parts = _dr._alloc((nprog, r), torch.float32, dev)
     w_parts = _dr._alloc((nprog, d), torch.float32, dev) if norm else parts
     kp = pkey if projected else partial
@@ -287,7 +272,7 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
         PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
-        NORM_MODE=int(_dr.TUNE.get("merge_norm_mode", 2)),
+        NORM_MODE=norm_mode,
         EARLY_LOADS=bool(_dr.TUNE.get("merge_early_loads", 1)), num_warps=warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None

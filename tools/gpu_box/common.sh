@@ -2,8 +2,8 @@
 #   HEADER="words for the log header" source tools/gpu_box/common.sh
 # Gives $OUT (created), the kernel package under its import name (lrattn_kernels), the wheels
 # carried in .whl/ installed to /tmp/lrattn_site (NO_WHEEL=1 skips them, e.g. for a CPU smoke
-# run), the environment (NVLink multicast stays off on these machines), $NGPU, log(), and a
-# provenance header (GPU, driver, versions, git SHA, date) at the top of $OUT/log.
+# run), the environment (NVLink multicast stays off on these machines), $NGPU, log(), step()
+# and a provenance header (GPU, driver, versions, git SHA, date) at the top of $OUT/log.
 OUT=${OUT:-/tmp/lrattn_out}
 mkdir -p "$OUT" /tmp/lrattn_pk
 ln -sfn "$PWD/kernels" /tmp/lrattn_pk/lrattn_kernels
@@ -17,6 +17,19 @@ if [ -z "${NO_WHEEL:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
 fi
 NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 log() { echo "$@" | tee -a "$OUT/log"; }
+# step NAME SECONDS CMD...: run CMD with a time limit, its output logged to $OUT/log, and a
+# failure or timeout remembered in $status (the caller sets status=0 first and exits with
+# it); DROP_WARNINGS=1 leaves lines naming warnings out of the log
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
+    if ! timeout "$limit" "$@" 2>&1 | _step_filter | tee -a "$OUT/log"; then
+        echo "== $name FAILED or timed out" | tee -a "$OUT/log"
+        status=1
+    fi
+}
+_step_filter() { if [ -n "${DROP_WARNINGS:-}" ]; then grep -v -i "warn" || true; else cat; fi; }
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
         || echo "no GPU visible"

@@ -12,15 +12,6 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
-    if ! timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log"; then
-        echo "== $name FAILED or timed out" | tee -a "$OUT/log"
-        status=1
-    fi
-}
 # the benchmark gates its own numbers on a correctness check, so it runs after red tests too
 step "GPU tests: depth_read_multi / depth_merge (large bf16 shapes)" 90 \
     python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k "large_bf16 or gpu"

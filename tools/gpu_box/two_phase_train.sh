@@ -11,15 +11,7 @@ set -uo pipefail
 export PYTHONWARNINGS=ignore
 source "$(dirname "$0")/common.sh"
 status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log, remember a failure
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name ($(date -u +%T), limit ${limit}s)" | tee -a "$OUT/log"
-    if ! timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/log"; then
-        echo "== $name FAILED or timed out" | tee -a "$OUT/log"
-        status=1
-    fi
-}
+DROP_WARNINGS=1
 median_step() {  # median step time of a metrics file, iterations 5..
     python3 - "$1" <<'PY'
 import json, statistics, sys
