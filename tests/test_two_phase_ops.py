@@ -647,6 +647,17 @@ def test_fused_rmsnorm_argument_errors():
             depth_merge(v, lse, v, q, backend=backend, norm_eps=1e-5)
 
 
+def test_unknown_fused_norm_mode_is_refused(monkeypatch):
+    monkeypatch.setitem(kdr.TUNE, "merge_norm_mode", 1)
+    gen, values, _, queries = make(5, 32, 8, 2, 1, torch.float32, False, seed=6)
+    prev = randn(gen, 5, 32).requires_grad_()
+    out, lse = depth_read_multi(values, queries, backend="triton")
+    x = depth_merge(out[0], lse[0], prev, queries[0], backend="triton",
+                    norm_weight=torch.ones(32, device=DEVICE), norm_eps=1e-5)
+    with pytest.raises(ValueError, match="merge_norm_mode=1, allowed: 0"):
+        x.sum().backward()
+
+
 @needs_cuda
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
 @pytest.mark.parametrize("name", ["d2048_sliced", "d2048_attnres", "d4096_projected"])
