@@ -925,9 +925,8 @@ def block_updates(T, d, K, copy_tbps, meta, S=9, sweep_norm=False):
 
 
 # --block-norm-sweep: merge settings timed on the blocks with fused updates (and norm)
-NORM_SWEEP = ({}, {"merge_fwd_early_loads": 1}, {"merge_fwd_early_loads": 1, "merge_tile": 4096},
-              {"merge_norm_mode": 0}, {"merge_early_loads": 0},
-              {"merge_fwd_early_loads": 1, "merge_warps": 8})
+NORM_SWEEP = ({}, {"merge_norm_mode": 0}, {"merge_tile": 4096}, {"merge_warps": 8},
+              {"merge_ctas_per_sm": 4}, {"merge_ctas_per_sm": 16})
 
 
 def block_profile(T, d, K, S=9):

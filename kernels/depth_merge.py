@@ -70,12 +70,9 @@ def _rms_norm(h, w_ptr, cols, d, norm_eps, act_dtype):
 def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, h_ptr,
                 y_ptr, y_stride, pn_ptr, w_ptr, T, d, r, eps, scale, norm_eps,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                UPDATE: tl.constexpr, NORM: tl.constexpr, EARLY_LOADS: tl.constexpr):
+                UPDATE: tl.constexpr, NORM: tl.constexpr):
     # UPDATE: the partial sum is p + y, written to pn (rounded as the add would be) and merged
     # NORM: the output is RMSNorm(h) * w of the merged read h rounded to the activation dtype
-    # EARLY_LOADS (TUNE merge_fwd_early_loads, default 0): the rows loaded before the key's
-    # reductions (one H200, the d=2048 S=9 K=6 block: no change, 0.936-1.337 ms forward
-    # against 0.940-1.332; one program per token keeps enough loads in flight already)
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -83,22 +80,15 @@ def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
     cols = tl.arange(0, BD)
     rcols = tl.arange(0, BR)
     m2 = rmask[:, None] & (cols < d)[None, :]
-    if EARLY_LOADS:  # the row loads issued before the key's reductions
-        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
-        if UPDATE:
-            yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2,
-                         other=0.0)
     kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr,
                                           rows64, rmask, rcols, d, r, eps, scale, PROJECTED,
                                           y_ptr, y_stride, UPDATE)
-    if not EARLY_LOADS:
-        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
-        if UPDATE:
-            yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2,
-                         other=0.0)
+    # (loading these rows before the key's reductions made no difference here, unlike in
+    # the backward: one program per token keeps enough loads in flight)
+    o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+    pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
     if UPDATE:
+        yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2, other=0.0)
         pv = (pv.to(tl.float32) + yv.to(tl.float32)).to(pn_ptr.dtype.element_ty)
         tl.store(pn_ptr + rows64[:, None] * d + cols[None, :], pv, mask=m2)
     h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv.to(tl.float32)
@@ -112,20 +102,18 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
                 g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
                 gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
                 PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                ADD_GP: tl.constexpr, NORM: tl.constexpr, NORM_MODE: tl.constexpr,
-                EARLY_LOADS: tl.constexpr):
+                ADD_GP: tl.constexpr, NORM: tl.constexpr, NORM_MODE: tl.constexpr):
     # ADD_GP: the partial sum's own gradient (its later uses) is added to the merge's, so
     # that dp is the gradient of both summands of P = p + y
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
     # stored), g is turned into dL/dh and the weight gradient is summed per program.
     # NORM_MODE (TUNE merge_norm_mode): 0 the norm's row sums, then the merge's (two more
     # rounds of reductions); 2 (default) all row sums from the loaded rows alone (h not
-    # rounded), in the same round as the key's. EARLY_LOADS (merge_early_loads, default 1):
-    # the rows are loaded before the key's reductions. One H200, d=2048, S=9, K=6 block with
-    # fused updates and norms, fwd+bwd GPU busy time: 3.60 ms (mode 0), 3.50 (2), 3.27
-    # (2 + early loads); a former mode 1 (row sums of the rounded h in one round after the
-    # key's) took 3.64, 3.30 with early loads. Without the norm early loads take the block
-    # from 2.91 to 2.72 ms
+    # rounded), in the same round as the key's. One H200, d=2048, S=9, K=6 block with fused
+    # updates and norms, fwd+bwd GPU busy time, rows loaded after the key's reductions:
+    # 3.60 ms (mode 0), 3.50 (2); loaded before them (as now): 3.27 (2), and 2.72 instead of
+    # 2.91 ms without the norm. A former mode 1 (row sums of the rounded h in one round after
+    # the key's) took 3.64 / 3.30
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -138,17 +126,13 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         rmask = rows < T
         rows64 = rows.to(tl.int64)
         m2 = rmask[:, None] & (cols < d)[None, :]
-        if EARLY_LOADS:  # the row loads issued before the key's reductions
-            g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
-            o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-            pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+        # the rows are loaded before the key's reductions so that their loads overlap them
+        g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
                                               lse_ptr, rows64, rmask, rcols, d, r, eps, scale,
                                               PROJECTED)
-        if not EARLY_LOADS:
-            g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
-            o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-            pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
         g = g.to(tl.float32)
         pv = pv.to(tl.float32)
         of = o.to(tl.float32)
@@ -233,8 +217,7 @@ def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm
             y, y.stride(0), pn if pn is not None else h,
             norm_w if norm_w is not None else q, T, d, r, eps, scale, norm_eps,
             PROJECTED=projected, BT=bt, BD=bd, BR=br, UPDATE=update is not None,
-            NORM=norm_w is not None,
-            EARLY_LOADS=bool(_dr.TUNE.get("merge_fwd_early_loads", 0)), num_warps=warps)
+            NORM=norm_w is not None, num_warps=warps)
     return h, pn
 
 
@@ -272,8 +255,7 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
         PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
-        NORM_MODE=norm_mode,
-        EARLY_LOADS=bool(_dr.TUNE.get("merge_early_loads", 1)), num_warps=warps)
+        NORM_MODE=norm_mode, num_warps=warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw

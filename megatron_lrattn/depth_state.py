@@ -47,6 +47,13 @@ def uses_two_phase(config, device: Optional[torch.device] = None) -> bool:
     return getattr(config, "depth_backend", "auto") in ("auto", "triton") and triton_available()
 
 
+def apply_norm(norm, x: Tensor) -> Tensor:
+    """Apply a PreNorm module; newer megatron-core norms built for a residual return
+    (out, residual)."""
+    out = norm(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def fusable_rmsnorm(norm) -> Optional[Tuple[Tensor, Optional[float]]]:
     """(weight, eps) of a PreNorm a two-phase merge can apply itself, else None.
 
@@ -190,13 +197,11 @@ class DepthState:
         ``torch.nn.RMSNorm`` (``fusable_rmsnorm``); otherwise the norm module runs on the
         read.
         """
-        fused = fusable_rmsnorm(norm) if getattr(config, "fuse_depth_norm", False) else None
+        fused = fusable_rmsnorm(norm) if config.fuse_depth_norm else None
         if fused is not None and self._schedule is not None and self.partial is not None:
             with torch.profiler.record_function("depth_read"):
                 return self._read_two_phase(query, config, site, fused)
-        out = norm(self.read(query, config, site=site))
-        # newer megatron-core norms built for a residual return (out, residual)
-        return out[0] if isinstance(out, tuple) else out
+        return apply_norm(norm, self.read(query, config, site=site))
 
     def _read_two_phase(self, query: Tensor, config, site: int, norm=None) -> Tensor:
         n = len(self.blocks)

@@ -9,14 +9,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
-from megatron_lrattn.depth_state import DepthState, rms_normalize
+from megatron_lrattn.depth_state import DepthState, apply_norm, rms_normalize
 from megatron_lrattn.schedule import schedule_from_config
-
-
-def _normed(norm: nn.Module, x: Tensor) -> Tensor:
-    """Apply a PreNorm; newer megatron-core norms built for a residual return (out, residual)."""
-    out = norm(x)
-    return out[0] if isinstance(out, tuple) else out
 
 
 class DepthQuery(nn.Module):
@@ -112,7 +106,7 @@ class LRAttnResLayer(TransformerLayer):
                 f"got one after sub-layer {depth_state.num_sublayers_done}"
             )
         if attn_site == 0:
-            x = _normed(self.input_layernorm, depth_state.embedding)
+            x = apply_norm(self.input_layernorm, depth_state.embedding)
         else:
             x = depth_state.read_normed(input_query, self.config, attn_site,
                                         self.input_layernorm)

@@ -570,35 +570,14 @@ def test_merge_with_fused_rmsnorm_equals_read_then_norm(name, dtype, update, bac
     check_merge_norm(*MERGE_UPDATE[name], dtype, backend, update)
 
 
-@pytest.mark.parametrize("tune", [{"merge_norm_mode": 0, "merge_early_loads": 0},
-                                  {"merge_norm_mode": 0, "merge_early_loads": 1},
-                                  {"merge_norm_mode": 2, "merge_early_loads": 0},
-                                  {"merge_fwd_early_loads": 1}],
-                         ids=["two_rounds_late", "two_rounds_early", "expanded_late",
-                              "fwd_early"])
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
 @pytest.mark.parametrize("name", ["sliced", "projected", "odd_d_1000"])
-def test_fused_rmsnorm_backward_variants_match(name, update, tune, monkeypatch):
-    """The other ways the fused-norm backward takes its row sums (``merge_norm_mode``) and
-    the rows loaded before the key's reductions (``merge_early_loads``)."""
-    for key, value in tune.items():
-        monkeypatch.setitem(kdr.TUNE, key, value)
+def test_fused_rmsnorm_two_round_backward_matches(name, update, monkeypatch):
+    """The fused-norm backward with the norm's row sums taken before the merge's
+    (``merge_norm_mode`` 0) instead of expanded into one round."""
+    monkeypatch.setitem(kdr.TUNE, "merge_norm_mode", 0)
     for dtype in (torch.float32, torch.bfloat16):
         check_merge_norm(*MERGE_UPDATE[name], dtype, "triton", update)
-
-
-@pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
-@pytest.mark.parametrize("projected", [False, True])
-@pytest.mark.parametrize("tune", [{"merge_early_loads": 0}, {"merge_fwd_early_loads": 1}],
-                         ids=["bwd_late", "fwd_early"])
-def test_merge_load_order_variants_match(projected, update, tune, monkeypatch):
-    """The merges with their rows loaded before or after the key's reductions."""
-    for key, value in tune.items():
-        monkeypatch.setitem(kdr.TUNE, key, value)
-    if update:
-        check_merge_update(9, 48, 12, 2, projected, torch.bfloat16, "triton")
-    else:
-        check_merge(9, 48, 12, 2, torch.bfloat16, projected, "triton")
 
 
 def test_fused_rmsnorm_matches_the_torch_module():
