@@ -164,9 +164,13 @@ def _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A: tl.constexpr)
 
 
 @triton.jit
-def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, vref, gref, dots_ptr, S, K, d, NC1,
-                 BK: tl.constexpr, BC1: tl.constexpr, A: tl.constexpr, PF: tl.constexpr):
-    # program (chunk, token): dots[t, chunk, i, k] = <g_k, v_i> over the chunk's columns
+def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, dots_ptr,
+                 T, S, K, d, NC1, dv_end,
+                 BK: tl.constexpr, BC1: tl.constexpr, A: tl.constexpr, PF: tl.constexpr,
+                 DV: tl.constexpr):
+    # program (chunk, token): dots[t, chunk, i, k] = <g_k, v_i> over the chunk's columns;
+    # DV: also dv_i = sum_k a_ik g_k on the chunk's columns below dv_end (the columns
+    # without key columns, whose gradient needs no dots), from the g chunk already held
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     cols = c * BC1 + tl.arange(0, BC1)
@@ -176,9 +180,92 @@ def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, vref, gref, dots_ptr, S, K, d, NC
     g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
     base = dots_ptr + (t * NC1 + c) * S * K
     v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
+    if DV:
+        dmask = cols < dv_end
+        lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+        s_n = tl.load(s_ptr + t * S * K + kk, mask=kmask, other=float("-inf"))
     for i in range(S):
         v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
+        if DV:
+            s = s_n
+            s_n = tl.load(s_ptr + (t * S + tl.minimum(i + 1, S - 1)) * K + kk, mask=kmask,
+                          other=float("-inf"))
         tl.store(base + i * K + kk, tl.sum(g * v[None, :], axis=1), mask=kmask)
+        if DV:
+            dv = tl.sum(tl.exp(s - lse)[:, None] * g, axis=0)
+            dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
+            if A:
+                dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
+            tl.store(dp, dv.to(vref.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _coef_kernel(s_ptr, rstd_ptr, lse_ptr, dlse_ptr, dots_ptr, coef_ptr, cc_ptr, T, S, K, NC1,
+                 r, scale, BK: tl.constexpr, BS: tl.constexpr):
+    # token t: every per-source scalar the gradient passes need, formed once:
+    # coef[t, i, 0] = a_ik, coef[t, i, 1] = w_ik = scale rstd_i ds_ik ([BK] rows, zero past
+    # K) and cc[t, i] = c_i = rstd_i^2 / r sum_k ds_ik s_ik
+    t = tl.program_id(0).to(tl.int64)
+    ii = tl.arange(0, BS)
+    kk = tl.arange(0, BK)
+    smask = ii < S
+    kmask = kk < K
+    m2 = smask[:, None] & kmask[None, :]
+    lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+    dlse = tl.load(dlse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
+    s2 = tl.load(s_ptr + (t * S + ii[:, None]) * K + kk[None, :], mask=m2, other=float("-inf"))
+    dots = tl.zeros_like(s2)
+    for c in range(NC1):
+        dots += tl.load(dots_ptr + ((t * NC1 + c) * S + ii[:, None]) * K + kk[None, :], mask=m2,
+                        other=0.0)
+    a = tl.exp(s2 - lse[None, :])  # zero on the masked entries
+    delta = tl.sum(a * dots, axis=0)
+    ds = a * (dots - delta[None, :] + dlse[None, :])
+    rstd = tl.load(rstd_ptr + t * S + ii, mask=smask, other=0.0)
+    c_i = rstd * rstd / r * tl.sum(ds * tl.where(m2, s2, 0.0), axis=1)
+    row = coef_ptr + (t * S + ii[:, None]) * (2 * BK) + kk[None, :]
+    tl.store(row, a, mask=smask[:, None])
+    tl.store(row + BK, ds * (scale * rstd)[:, None], mask=smask[:, None])
+    tl.store(cc_ptr + t * S + ii, c_i, mask=smask)
+
+
+@triton.jit
+def _coef_row(coef_ptr, cc_ptr, t, i, S, kk, BK: tl.constexpr):
+    # a_ik, w_ik [BK] and c_i of source min(i, S - 1) at token t (see _coef_kernel)
+    j = tl.minimum(i, S - 1)
+    row = coef_ptr + (t * S + j) * (2 * BK)
+    return tl.load(row + kk), tl.load(row + BK + kk), tl.load(cc_ptr + t * S + j)
+
+
+@triton.jit
+def _coef_ring_start(coef_ptr, cc_ptr, t, S, kk, BK: tl.constexpr, PF: tl.constexpr):
+    # the coefficients of sources 0..PF-1 in flight, as _ring_start does for the rows
+    a0, w0, c0 = _coef_row(coef_ptr, cc_ptr, t, 0, S, kk, BK)
+    a1, w1, c1 = a0, w0, c0
+    a2, w2, c2 = a0, w0, c0
+    if PF >= 2:
+        a1, w1, c1 = _coef_row(coef_ptr, cc_ptr, t, 1, S, kk, BK)
+    if PF >= 3:
+        a2, w2, c2 = _coef_row(coef_ptr, cc_ptr, t, 2, S, kk, BK)
+    return a0, w0, c0, a1, w1, c1, a2, w2, c2
+
+
+@triton.jit
+def _coef_ring_step(i, a0, w0, c0, a1, w1, c1, a2, w2, c2, coef_ptr, cc_ptr, t, S, kk,
+                    BK: tl.constexpr, PF: tl.constexpr):
+    # source i's coefficients; issues those of source i + PF
+    an, wn, cn = _coef_row(coef_ptr, cc_ptr, t, i + PF, S, kk, BK)
+    a, w, c = a0, w0, c0
+    if PF == 1:
+        a0, w0, c0 = an, wn, cn
+    elif PF == 2:
+        a0, w0, c0 = a1, w1, c1
+        a1, w1, c1 = an, wn, cn
+    else:
+        a0, w0, c0 = a1, w1, c1
+        a1, w1, c1 = a2, w2, c2
+        a2, w2, c2 = an, wn, cn
+    return a, w, c, a0, w0, c0, a1, w1, c1, a2, w2, c2
 
 
 @triton.jit
@@ -213,9 +300,11 @@ def _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr, kk, kmask,
 
 
 @triton.jit
-def _dvalues_plain_kernel(g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, T, S, K, d,
-                          BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr):
+def _dvalues_plain_kernel(g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, coef_ptr, T, S, K,
+                          d, BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr,
+                          COEF: tl.constexpr):
     # program (chunk, token) of a chunk without key columns: dv_i = sum_k a_ik g_k
+    # (COEF: a_ik from the coefficient rows, else from s and lse)
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     cols = c * BC + tl.arange(0, BC)
@@ -225,8 +314,12 @@ def _dvalues_plain_kernel(g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, T, 
     g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
     lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
     for i in range(S):
-        s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
-        dv = tl.sum(tl.exp(s - lse)[:, None] * g, axis=0)
+        if COEF:
+            a = tl.load(coef_ptr + (t * S + i) * (2 * BK) + kk)
+        else:
+            s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
+            a = tl.exp(s - lse)
+        dv = tl.sum(a[:, None] * g, axis=0)
         dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
         if A:
             dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
@@ -235,12 +328,16 @@ def _dvalues_plain_kernel(g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, T, 
 
 @triton.jit
 def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_ptr, rstd_ptr,
-                    lse_ptr, dlse_ptr, dots_ptr, gq_part_ptr, T, S, K, d, r, NC1, c0, scale,
+                    lse_ptr, dlse_ptr, dots_ptr, coef_ptr, cc_ptr, gq_part_ptr, T, S, K, d, r,
+                    NC1, c0, scale,
                     BK: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, A: tl.constexpr,
-                    PF: tl.constexpr):
+                    PF: tl.constexpr, COEF: tl.constexpr):
     # program (chunk c0 + c, p) of a chunk holding sliced key columns, persistent over
     # tokens p, p + P, ...: dv_i = sum_k a_ik g_k plus, on the key columns, the key gradient
-    # dk_i = scale rstd_i sum_k ds_ik q_k - c_i k_i; [K, chunk] query-gradient partials
+    # dk_i = scale rstd_i sum_k ds_ik q_k - c_i k_i; [K, chunk] query-gradient partials.
+    # COEF: a_ik, w_ik = scale rstd_i ds_ik and c_i come from the coefficient rows
+    # (_coef_kernel), PF sources ahead like the rows; else they are formed here from s,
+    # rstd, lse and the dot partials, per token and source
     c = c0 + tl.program_id(0)
     p = tl.program_id(1)
     nprog = tl.num_programs(1)
@@ -255,18 +352,27 @@ def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_p
     for tt in range(p, T, nprog):
         t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
         g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
-        lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr,
-                                        kk, kmask, BS)
         v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, keycol, S, A, PF)
+        if COEF:
+            a0, w0, e0, a1, w1, e1, a2, w2, e2 = _coef_ring_start(coef_ptr, cc_ptr, t, S, kk,
+                                                                  BK, PF)
+        else:
+            lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr,
+                                            dots_ptr, kk, kmask, BS)
         for i in range(S):
             # v: the key columns of source i's chunk (zeros elsewhere)
             v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, keycol, S,
                                        A, PF)
-            a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
-                                           delta, dlse, kk, kmask, r)
-            dk = (scale * rstd) * tl.sum(ds[:, None] * qc, axis=0) - v * c_i
+            if COEF:
+                a, w, c_i, a0, w0, e0, a1, w1, e1, a2, w2, e2 = _coef_ring_step(
+                    i, a0, w0, e0, a1, w1, e1, a2, w2, e2, coef_ptr, cc_ptr, t, S, kk, BK, PF)
+            else:
+                a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
+                                               delta, dlse, kk, kmask, r)
+                w = ds * (scale * rstd)
+            dk = tl.sum(w[:, None] * qc, axis=0) - v * c_i
             dv = tl.sum(a[:, None] * g, axis=0) + tl.where(keycol, dk, 0.0)
-            gq += (ds * (scale * rstd))[:, None] * v[None, :]
+            gq += w[:, None] * v[None, :]
             dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
             if A:
                 dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
@@ -277,9 +383,10 @@ def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_p
 
 @triton.jit
 def _dkeys_kernel(k_tab, ks_tab, dk_tab, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr, dlse_ptr,
-                  dots_ptr, gq_part_ptr, T, S, K, r, NC1, scale,
-                  BK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+                  dots_ptr, coef_ptr, cc_ptr, gq_part_ptr, T, S, K, r, NC1, scale,
+                  BK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, COEF: tl.constexpr):
     # projected keys, persistent over tokens: dk_i[t] and [K, r] query-gradient partials
+    # (COEF: w_ik and c_i from the coefficient rows, see _dvalues_kernel)
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
     rcols = tl.arange(0, BR)
@@ -291,17 +398,22 @@ def _dkeys_kernel(k_tab, ks_tab, dk_tab, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr, 
     gq = tl.zeros([BK, BR], tl.float32)
     for tt in range(p, T, nprog):
         t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
-        lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr,
-                                        kk, kmask, BS)
+        if not COEF:
+            lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr,
+                                            dots_ptr, kk, kmask, BS)
         for i in range(S):
-            a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
-                                           delta, dlse, kk, kmask, r)
+            if COEF:
+                _, w, c_i = _coef_row(coef_ptr, cc_ptr, t, i, S, kk, BK)
+            else:
+                a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
+                                               delta, dlse, kk, kmask, r)
+                w = ds * (scale * rstd)
             kp = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
             kf = tl.load(kp + t * tl.load(ks_tab + i) + rcols, mask=rm, other=0.0).to(tl.float32)
-            dk = (scale * rstd) * tl.sum(ds[:, None] * q, axis=0) - kf * c_i
+            dk = tl.sum(w[:, None] * q, axis=0) - kf * c_i
             dkp = tl.load(dk_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
             tl.store(dkp + t * r + rcols, dk.to(kref.dtype.element_ty), mask=rm)
-            gq += (ds * (scale * rstd))[:, None] * kf[None, :]
+            gq += w[:, None] * kf[None, :]
     tl.store(gq_part_ptr + (p.to(tl.int64) * K + kk[:, None]) * r + rcols[None, :], gq,
              mask=kmask[:, None] & rm[None, :])
 
@@ -411,29 +523,44 @@ def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Ten
     tabs = _tables(*groups)
     (v_tab, vs_tab), (dv_tab, _), (g_tab, gs_tab) = tabs[:3]
     aligned = _aligned([vs, dvs, gs], d)
-    _dots_kernel[(nc1, T)](
-        v_tab, vs_tab, g_tab, gs_tab, vs[0], gs[0], dots, S, K, d, nc1, BK=bk, BC1=bc1,
-        A=aligned, PF=_prefetch("mc_dots_prefetch"), num_warps=_warps("mc_dots_warps", bc1))
     bc = _chunk(d, "mc_bwd_chunk", 256)
     nc = triton.cdiv(d, bc)
     c0 = nc if projected else (d - r) // bc  # chunks from c0 on hold sliced key columns
+    # mc_dots_dv: the dot pass also writes the value gradients of the columns without key
+    # columns (no second read of the output gradients there); mc_coef: the per-source
+    # scalars of the gradient passes formed once per token (_coef_kernel)
+    dots_dv = bool(_tune("mc_dots_dv", 1)) and c0 > 0
+    coef_on = bool(_tune("mc_coef", 1))
+    _dots_kernel[(nc1, T)](
+        v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, dots, T, S, K, d, nc1,
+        c0 * bc if dots_dv else 0, BK=bk, BC1=bc1, A=aligned, PF=_prefetch("mc_dots_prefetch"),
+        DV=dots_dv, num_warps=_warps("mc_dots_warps", bc1))
+    if coef_on:
+        coef = _alloc((T, S, 2, bk), torch.float32, dev)
+        cc = _alloc((T, S), torch.float32, dev)
+        _coef_kernel[(T,)](s, rstd, lse, dlse, dots, coef, cc, T, S, K, nc1, r, scale, BK=bk,
+                           BS=bs, num_warps=1)
+    else:
+        coef, cc = s, rstd  # placeholders, never read
     nprog = _programs(T, dev, "mc_ctas_per_sm", 8)
     parts = _alloc((nprog, K, r), torch.float32, dev)
     warps = _warps("mc_bwd_warps", bc)
     args = (v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], q, s, rstd, lse, dlse, dots,
-            parts, T, S, K, d, r, nc1)
-    if c0 > 0:
-        _dvalues_plain_kernel[(c0, T)](g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, T, S, K, d,
-                                       BK=bk, BC=bc, A=aligned,
+            coef, cc, parts, T, S, K, d, r, nc1)
+    if c0 > 0 and not dots_dv:
+        _dvalues_plain_kernel[(c0, T)](g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, coef, T, S,
+                                       K, d, BK=bk, BC=bc, A=aligned, COEF=coef_on,
                                        num_warps=_warps("mc_plain_warps", bc))
     if c0 < nc:
         _dvalues_kernel[(nc - c0, nprog)](*args, c0, scale, BK=bk, BC=bc, BS=bs, A=aligned,
-                                          PF=_prefetch("mc_keys_prefetch", 3), num_warps=warps)
+                                          PF=_prefetch("mc_keys_prefetch", 3), COEF=coef_on,
+                                          num_warps=warps)
     if projected:
         (k_tab, ks_tab), (dk_tab, _) = tabs[3:]
         _dkeys_kernel[(nprog,)](
-            k_tab, ks_tab, dk_tab, ks[0], q, s, rstd, lse, dlse, dots, parts, T, S, K, r, nc1,
-            scale, BK=bk, BR=max(16, pow2(r)), BS=bs, num_warps=_tune("mc_keys_warps", 4))
+            k_tab, ks_tab, dk_tab, ks[0], q, s, rstd, lse, dlse, dots, coef, cc, parts, T, S,
+            K, r, nc1, scale, BK=bk, BR=max(16, pow2(r)), BS=bs, COEF=coef_on,
+            num_warps=_tune("mc_keys_warps", 4))
     return parts.sum(0), dvs, dks
 
 

@@ -420,6 +420,13 @@ CHUNKED_TILES = {
     "narrow_chunks": dict(mc_chunk=16, mc_dots_chunk=16, mc_bwd_chunk=16, mc_logit_chunk=16),
     "mixed_chunks": dict(mc_chunk=32, mc_dots_chunk=16, mc_bwd_chunk=32, mc_logit_tokens=16,
                          mc_ctas_per_sm=1),
+    # the dot pass's value gradients ending inside one of its chunks
+    "wide_dots_narrow_grads": dict(mc_dots_chunk=64, mc_bwd_chunk=16),
+    # the gradient passes forming their per-source scalars themselves / a separate pass for
+    # the value gradients without key columns
+    "no_coef": dict(mc_coef=0),
+    "no_dots_dv": dict(mc_dots_dv=0, mc_keys_prefetch=2),
+    "no_coef_no_dots_dv": dict(mc_coef=0, mc_dots_dv=0),
 }
 
 

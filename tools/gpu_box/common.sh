@@ -30,6 +30,39 @@ step() {
     fi
 }
 _step_filter() { if [ -n "${DROP_WARNINGS:-}" ]; then grep -v -i "warn" || true; else cat; fi; }
+# median_step FILE: median step time of a metrics file (iterations 5..) and its losses
+median_step() {
+    python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+t = [r["step_time_s"] for r in rows if r["type"] == "train"][4:]
+loss = [r["loss"] for r in rows if r["type"] == "train"]
+v = [r["loss"] for r in rows if r["type"] == "valid"]
+shown = " ".join(f"{x:.4f}" for x in loss) if len(loss) <= 12 else (
+    " ".join(f"{x:.4f}" for x in loss[:3]) + " ... " + " ".join(f"{x:.4f}" for x in loss[-3:]))
+print(f"median step {statistics.median(t) * 1000:.1f} ms over {len(t)} steps; train loss "
+      f"{shown}; validation {' -> '.join(f'{x:.4f}' for x in v)}")
+PY
+}
+# train_1b ITERS LIMIT ARM...: the 1b preset (micro-batch 4, global batch 8, sequence 2048)
+# for ITERS iterations per arm, each a step with LIMIT seconds; an arm is
+# "residual:schedule[:extra flag]"; metrics in $OUT/1b_<arm>.jsonl, median step in the log
+train_1b() {
+    local iters=$1 limit=$2 arm res rest sched extra tag
+    shift 2
+    for arm in "$@"; do
+        res=${arm%%:*} rest=${arm#*:}
+        sched=${rest%%:*} extra=""
+        [ "$rest" != "$sched" ] && extra=${rest#*:}
+        tag=${res}_${sched}${extra//-/_}
+        step "1b preset, $res, $sched ${extra} (mbs 4, gbs 8, seq 2048, $iters iters)" "$limit" \
+            python3 -m megatron_lrattn.cli.pretrain --no-progress --preset 1b --residual "$res" \
+            --depth-schedule "$sched" $extra --micro-batch-size 4 --global-batch-size 8 \
+            --train-iters "$iters" --lr-warmup-iters 2 --eval-interval "$iters" --eval-iters 1 \
+            --log-json "$OUT/1b_$tag.jsonl"
+        median_step "$OUT/1b_$tag.jsonl" | tee -a "$OUT/log"
+    done
+}
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
         || echo "no GPU visible"

@@ -14,17 +14,6 @@ export PYTHONWARNINGS=ignore
 source "$(dirname "$0")/common.sh"
 status=0
 DROP_WARNINGS=1
-median_step() {  # median step time of a metrics file, iterations 5.., and the losses
-    python3 - "$1" <<'PY'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-t = [r["step_time_s"] for r in rows if r["type"] == "train"][4:]
-loss = [r["loss"] for r in rows if r["type"] == "train"]
-v = [r["loss"] for r in rows if r["type"] == "valid"]
-print(f"median step {statistics.median(t) * 1000:.1f} ms over {len(t)} steps; train loss "
-      f"{' '.join(f'{x:.4f}' for x in loss)}; validation {' -> '.join(f'{x:.4f}' for x in v)}")
-PY
-}
 if [ -z "${SKIP_TESTS:-}" ]; then
     step "GPU tests: two-phase ops at large bf16 shapes (fused norm included)" 120 \
         python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k "large_bf16 or gpu"
@@ -34,18 +23,6 @@ fi
 step "block with partial sums formed from outputs, with and without each read's RMSNorm" 200 \
     python3 benchmarks/bench_depth_read.py --block --sweep-only --block-updates \
         ${NORM_SWEEP:+--block-norm-sweep} --csv "$OUT/norm_fusion_block.csv"
-ITERS=${ITERS_1B:-12}
-TRAIN=(python3 -m megatron_lrattn.cli.pretrain --no-progress)
-for arm in ${ARMS_1B:-standard:auto lr_attnres:per_site lr_attnres:auto lr_attnres:auto:--no-fuse-depth-norm}; do
-    res=${arm%%:*} rest=${arm#*:}
-    sched=${rest%%:*} extra=""
-    [ "$rest" != "$sched" ] && extra=${rest#*:}
-    tag=${res}_${sched}${extra//-/_}
-    step "1b preset, $res, $sched ${extra} (mbs 4, gbs 8, seq 2048, $ITERS iters)" 150 \
-        "${TRAIN[@]}" --preset 1b --residual "$res" --depth-schedule "$sched" $extra \
-        --micro-batch-size 4 --global-batch-size 8 --train-iters "$ITERS" --lr-warmup-iters 2 \
-        --eval-interval "$ITERS" --eval-iters 1 --log-json "$OUT/1b_$tag.jsonl"
-    median_step "$OUT/1b_$tag.jsonl" | tee -a "$OUT/log"
-done
+train_1b "${ITERS_1B:-12}" 150 ${ARMS_1B:-standard:auto lr_attnres:per_site lr_attnres:auto lr_attnres:auto:--no-fuse-depth-norm}
 echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
 exit $status

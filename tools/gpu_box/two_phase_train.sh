@@ -12,16 +12,6 @@ export PYTHONWARNINGS=ignore
 source "$(dirname "$0")/common.sh"
 status=0
 DROP_WARNINGS=1
-median_step() {  # median step time of a metrics file, iterations 5..
-    python3 - "$1" <<'PY'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-t = [r["step_time_s"] for r in rows if r["type"] == "train"][4:]
-v = [r["loss"] for r in rows if r["type"] == "valid"]
-print(f"median step {statistics.median(t) * 1000:.1f} ms over {len(t)} steps; "
-      f"validation {' -> '.join(f'{x:.4f}' for x in v)}")
-PY
-}
 TRAIN=(python3 -m megatron_lrattn.cli.pretrain --no-progress)
 [ -z "${SKIP_PROFILE:-}" ] && step "GPU time per kernel of one depth block" 90 \
     python3 benchmarks/bench_depth_read.py --block --block-profile --sweep-only \
@@ -36,13 +26,6 @@ if [ -z "${SKIP_TINY:-}" ]; then
         median_step "$OUT/tiny_$s.jsonl" | tee -a "$OUT/log"
     done
 fi
-for arm in ${ARMS_1B:-standard:auto lr_attnres:per_site lr_attnres:auto attnres:per_site attnres:auto}; do
-    res=${arm%%:*} sched=${arm##*:}
-    step "1b preset, $res, $sched (mbs 4, gbs 8, seq 2048, 12 iters)" 100 \
-        "${TRAIN[@]}" --preset 1b --residual "$res" --depth-schedule "$sched" --micro-batch-size 4 \
-        --global-batch-size 8 --train-iters 12 --lr-warmup-iters 2 --eval-interval 12 \
-        --eval-iters 1 --log-json "$OUT/1b_${res}_$sched.jsonl"
-    median_step "$OUT/1b_${res}_$sched.jsonl" | tee -a "$OUT/log"
-done
+train_1b 12 100 ${ARMS_1B:-standard:auto lr_attnres:per_site lr_attnres:auto attnres:per_site attnres:auto}
 echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
 exit $status

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Phase-1 gradient passes of the two-phase schedule on the GPU box (one H200, about 7
+# minutes): the GPU-only tests of the two-phase ops (large bf16 shapes) and the bf16 DDP
+# model tests on the fused kernels; the two-phase block (L=24 N=8: K=6 sites after S=9
+# sources, d=2048, T=16384) under the gradient-pass settings of GRAD_AB in
+# benchmarks/bench_depth_read.py (per-source scalars formed once per token, value gradients
+# in the dot pass, each off, both off), interleaved rounds, with the GPU time per kernel;
+# the block as the model runs it (partial sums formed from outputs, each read's RMSNorm);
+# then 1b-preset step times (standard, lr_attnres and attnres two-phase).
+#   GIT_SHA=$(git rev-parse --short HEAD) bash tools/gpu_box/grad_passes.sh
+# SKIP_TESTS=1 leaves the tests out; ARMS_1B / ITERS_1B as in norm_fusion.sh; ROUNDS (3).
+set -uo pipefail
+export PYTHONWARNINGS=ignore
+source "$(dirname "$0")/common.sh"
+status=0
+DROP_WARNINGS=1
+if [ -z "${SKIP_TESTS:-}" ]; then
+    step "GPU tests: two-phase ops at large bf16 shapes" 120 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k "large_bf16 or gpu"
+    step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
+fi
+step "two-phase block under the phase-1 gradient-pass settings" 200 \
+    python3 benchmarks/bench_depth_read.py --block --sweep-only --block-grad-ab \
+        --rounds "${ROUNDS:-3}" --csv /tmp/unused_block.csv
+step "block with partial sums formed from outputs, with and without each read's RMSNorm" 150 \
+    python3 benchmarks/bench_depth_read.py --block --sweep-only --block-updates \
+        --csv "$OUT/grad_passes_block.csv"
+train_1b "${ITERS_1B:-12}" 120 ${ARMS_1B:-standard:auto lr_attnres:auto attnres:auto}
+echo "== done $(date -u +%T), status $status" | tee -a "$OUT/log"
+exit $status
