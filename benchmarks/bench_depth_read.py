@@ -818,18 +818,18 @@ def block_sweep(T, d, K, copy_tbps):
     kdr.TUNE.clear()
 
 
-# Phase-1 gradient passes compared by --block-grad-ab (TUNE settings of
-# lrattn_kernels.multi_chunked): the defaults, each change of 2026-12-02 turned off, and the
-# passes before it (both off)
+# Phase-1 gradient-pass settings timed by --block-grad-ab (TUNE keys of
+# lrattn_kernels.multi_chunked; the first is the default)
 GRAD_AB = {
-    "default (coefficients once, value grads in the dot pass)": {},
-    "value grads in a pass of their own": {"mc_dots_dv": 0},
-    "per-source scalars formed in each pass": {"mc_coef": 0},
-    "previous passes (both off)": {"mc_coef": 0, "mc_dots_dv": 0},
-    "default, key-gradient prefetch 1": {"mc_keys_prefetch": 1},
-    "default, key-gradient chunk 128 warps 1 ctas/SM 16": {"mc_bwd_chunk": 128,
-                                                            "mc_bwd_warps": 1,
-                                                            "mc_ctas_per_sm": 16},
+    "default": {},
+    "key-gradient prefetch 2": {"mc_keys_prefetch": 2},
+    "key-gradient prefetch 3": {"mc_keys_prefetch": 3},
+    "key-gradient ctas/SM 16": {"mc_ctas_per_sm": 16},
+    "key-gradient ctas/SM 4": {"mc_ctas_per_sm": 4},
+    "key-gradient chunk 128 warps 1 ctas/SM 16": {"mc_bwd_chunk": 128, "mc_bwd_warps": 1,
+                                                   "mc_ctas_per_sm": 16},
+    "key-gradient chunk 512 warps 2": {"mc_bwd_chunk": 512, "mc_bwd_warps": 2},
+    "dots chunk 512 warps 2": {"mc_dots_chunk": 512, "mc_dots_warps": 2},
 }
 
 
@@ -837,7 +837,7 @@ def block_grad_ab(T, d, K, copy_tbps, S=9):
     """Two-phase block (S sources, K sites; sliced r=d/4, AttnRes, projected r=d/4) under the
     phase-1 gradient-pass settings of ``GRAD_AB``, each checked against the defaults, timed
     by GPU busy time in ROUNDS interleaved rounds (median), then the GPU time per kernel of
-    the defaults and of the previous passes."""
+    the defaults."""
     nb = (3 * S + 5 * K - 3) * T * d * 2
     for keys_kind, r in (("sliced", d // 4), ("attnres", d), ("projected", d // 4)):
         inp, grads = block_inputs(T, d, r, S, K, keys_kind == "projected", seed=11)
@@ -869,8 +869,7 @@ def block_grad_ab(T, d, K, copy_tbps, S=9):
         if DEVICE == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
-            for name in ("default (coefficients once, value grads in the dot pass)",
-                         "previous passes (both off)"):
+            for name in ("default",):
                 kdr.TUNE.clear()
                 kdr.TUNE.update(GRAD_AB[name])
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -10,9 +10,10 @@ kernels in ``depth_read_multi``, which keep one program per SM):
 
 forward   ``_logits_kernel``  keys -> s [T, S, K], rstd [T, S], lse [K, T] (fp32 scalars)
           ``_values_kernel``  one token x BC columns per program: out_k += a_ik v_i
-backward  ``_dots_kernel``    one token x BC1 columns: partial <g_k, v_i> [T, NC1, S, K]
-          ``_dvalues_plain_kernel``  one token x BC columns without key columns:
-                              dv_i = sum_k a_ik g_k
+backward  ``_dots_kernel``    one token x BC1 columns: partial <g_k, v_i> [T, NC1, S, K],
+                              and on the columns without key columns dv_i = sum_k a_ik g_k
+          ``_coef_kernel``    per token: a_ik, w_ik = scale rstd_i ds_ik and c_i (fp32
+                              scalars [T, S, 2, BK] and [T, S]) from s, rstd, lse and the dots
           ``_dvalues_kernel`` chunks holding sliced key columns (persistent over tokens):
                               dv_i plus the key gradient, query-gradient partials
           ``_dkeys_kernel``   projected keys: dk_i and the query-gradient partials
@@ -269,75 +270,13 @@ def _coef_ring_step(i, a0, w0, c0, a1, w1, c1, a2, w2, c2, coef_ptr, cc_ptr, t, 
 
 
 @triton.jit
-def _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse, delta, dlse, kk, kmask, r):
-    # for source i at token t: a_ik, ds_ik, s_ik [BK], rstd_i and c_i = rstd^2/r sum_k ds s
-    s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
-    a = tl.exp(s - lse)
-    dot = tl.zeros_like(a)
-    for c in range(NC1):
-        dot += tl.load(dots_ptr + ((t * NC1 + c) * S + i) * K + kk, mask=kmask, other=0.0)
-    ds = a * (dot - delta + dlse)
-    rstd = tl.load(rstd_ptr + t * S + i)
-    c_i = rstd * rstd / r * tl.sum(tl.where(kmask, ds * s, 0.0), axis=0)
-    return a, ds, rstd, c_i
-
-
-@triton.jit
-def _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr, dots_ptr, kk, kmask,
-                 BS: tl.constexpr):
-    # lse, dlse and delta_k = sum_i a_ik <g_k, v_i> (exact, fp32) of token t: [BK] each
-    ii = tl.arange(0, BS)
-    m2 = (ii < S)[:, None] & kmask[None, :]
-    lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
-    dlse = tl.load(dlse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
-    s2 = tl.load(s_ptr + (t * S + ii[:, None]) * K + kk[None, :], mask=m2, other=float("-inf"))
-    dots = tl.zeros_like(s2)
-    for c in range(NC1):
-        dots += tl.load(dots_ptr + ((t * NC1 + c) * S + ii[:, None]) * K + kk[None, :], mask=m2,
-                        other=0.0)
-    delta = tl.sum(tl.exp(s2 - lse[None, :]) * dots, axis=0)
-    return lse, dlse, delta
-
-
-@triton.jit
-def _dvalues_plain_kernel(g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_ptr, coef_ptr, T, S, K,
-                          d, BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr,
-                          COEF: tl.constexpr):
-    # program (chunk, token) of a chunk without key columns: dv_i = sum_k a_ik g_k
-    # (COEF: a_ik from the coefficient rows, else from s and lse)
-    c = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    cols = c * BC + tl.arange(0, BC)
-    cmask = cols < d
-    kk = tl.arange(0, BK)
-    kmask = kk < K
-    g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
-    lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
-    for i in range(S):
-        if COEF:
-            a = tl.load(coef_ptr + (t * S + i) * (2 * BK) + kk)
-        else:
-            s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
-            a = tl.exp(s - lse)
-        dv = tl.sum(a[:, None] * g, axis=0)
-        dp = tl.load(dv_tab + i).to(tl.pointer_type(vref.dtype.element_ty)) + t * d + cols
-        if A:
-            dp = tl.max_contiguous(tl.multiple_of(dp, 16), 16)
-        tl.store(dp, dv.to(vref.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_ptr, rstd_ptr,
-                    lse_ptr, dlse_ptr, dots_ptr, coef_ptr, cc_ptr, gq_part_ptr, T, S, K, d, r,
-                    NC1, c0, scale,
-                    BK: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr, A: tl.constexpr,
-                    PF: tl.constexpr, COEF: tl.constexpr):
+def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, coef_ptr, cc_ptr,
+                    gq_part_ptr, T, S, K, d, r, c0,
+                    BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr, PF: tl.constexpr):
     # program (chunk c0 + c, p) of a chunk holding sliced key columns, persistent over
     # tokens p, p + P, ...: dv_i = sum_k a_ik g_k plus, on the key columns, the key gradient
-    # dk_i = scale rstd_i sum_k ds_ik q_k - c_i k_i; [K, chunk] query-gradient partials.
-    # COEF: a_ik, w_ik = scale rstd_i ds_ik and c_i come from the coefficient rows
-    # (_coef_kernel), PF sources ahead like the rows; else they are formed here from s,
-    # rstd, lse and the dot partials, per token and source
+    # dk_i = sum_k w_ik q_k - c_i k_i; [K, chunk] query-gradient partials. a, w and c come
+    # from the coefficient rows (_coef_kernel), PF sources ahead like the source rows
     c = c0 + tl.program_id(0)
     p = tl.program_id(1)
     nprog = tl.num_programs(1)
@@ -353,23 +292,13 @@ def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_p
         t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
         g = _grad_chunk(g_tab, gs_tab, gref, t, cols, cmask, kk, kmask, A)
         v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, keycol, S, A, PF)
-        if COEF:
-            a0, w0, e0, a1, w1, e1, a2, w2, e2 = _coef_ring_start(coef_ptr, cc_ptr, t, S, kk,
-                                                                  BK, PF)
-        else:
-            lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr,
-                                            dots_ptr, kk, kmask, BS)
+        a0, w0, e0, a1, w1, e1, a2, w2, e2 = _coef_ring_start(coef_ptr, cc_ptr, t, S, kk, BK, PF)
         for i in range(S):
             # v: the key columns of source i's chunk (zeros elsewhere)
             v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, keycol, S,
                                        A, PF)
-            if COEF:
-                a, w, c_i, a0, w0, e0, a1, w1, e1, a2, w2, e2 = _coef_ring_step(
-                    i, a0, w0, e0, a1, w1, e1, a2, w2, e2, coef_ptr, cc_ptr, t, S, kk, BK, PF)
-            else:
-                a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
-                                               delta, dlse, kk, kmask, r)
-                w = ds * (scale * rstd)
+            a, w, c_i, a0, w0, e0, a1, w1, e1, a2, w2, e2 = _coef_ring_step(
+                i, a0, w0, e0, a1, w1, e1, a2, w2, e2, coef_ptr, cc_ptr, t, S, kk, BK, PF)
             dk = tl.sum(w[:, None] * qc, axis=0) - v * c_i
             dv = tl.sum(a[:, None] * g, axis=0) + tl.where(keycol, dk, 0.0)
             gq += w[:, None] * v[None, :]
@@ -382,11 +311,10 @@ def _dvalues_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, q_ptr, s_p
 
 
 @triton.jit
-def _dkeys_kernel(k_tab, ks_tab, dk_tab, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr, dlse_ptr,
-                  dots_ptr, coef_ptr, cc_ptr, gq_part_ptr, T, S, K, r, NC1, scale,
-                  BK: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, COEF: tl.constexpr):
-    # projected keys, persistent over tokens: dk_i[t] and [K, r] query-gradient partials
-    # (COEF: w_ik and c_i from the coefficient rows, see _dvalues_kernel)
+def _dkeys_kernel(k_tab, ks_tab, dk_tab, kref, q_ptr, coef_ptr, cc_ptr, gq_part_ptr, T, S, K, r,
+                  BK: tl.constexpr, BR: tl.constexpr):
+    # projected keys, persistent over tokens: dk_i[t] = sum_k w_ik q_k - c_i k_i and [K, r]
+    # query-gradient partials (w and c from the coefficient rows)
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
     rcols = tl.arange(0, BR)
@@ -398,16 +326,8 @@ def _dkeys_kernel(k_tab, ks_tab, dk_tab, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr, 
     gq = tl.zeros([BK, BR], tl.float32)
     for tt in range(p, T, nprog):
         t = p.to(tl.int64) + (tt - p)  # int64 row index (also under the interpreter)
-        if not COEF:
-            lse, dlse, delta = _token_stats(t, T, S, K, NC1, s_ptr, lse_ptr, dlse_ptr,
-                                            dots_ptr, kk, kmask, BS)
         for i in range(S):
-            if COEF:
-                _, w, c_i = _coef_row(coef_ptr, cc_ptr, t, i, S, kk, BK)
-            else:
-                a, ds, rstd, c_i = _site_grads(t, i, S, K, NC1, s_ptr, rstd_ptr, dots_ptr, lse,
-                                               delta, dlse, kk, kmask, r)
-                w = ds * (scale * rstd)
+            _, w, c_i = _coef_row(coef_ptr, cc_ptr, t, i, S, kk, BK)
             kp = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
             kf = tl.load(kp + t * tl.load(ks_tab + i) + rcols, mask=rm, other=0.0).to(tl.float32)
             dk = tl.sum(w[:, None] * q, axis=0) - kf * c_i
@@ -442,9 +362,10 @@ def _aligned(groups: Sequence[Sequence[Tensor]], d: int) -> bool:
 
 
 def _prefetch(key: str, default: int = 1) -> int:
-    """Source rows a pass keeps in flight ahead of the one it works on (1..3). One in the
-    forward value pass and the dot pass (on one H200, S=9, d=2048: forward 0.831 ms at one,
-    0.860 ms at three), three in the key-gradient pass (one row of key columns per step)."""
+    """Source rows a pass keeps in flight ahead of the one it works on (1..3). One
+    everywhere (one H200, S=9, d=2048: forward 0.831 ms at one, 0.860 ms at three; block
+    fwd+bwd with the key-gradient pass at one 2.302 / 3.190 ms against 2.389 / 3.495 ms at
+    three, sliced r=d/4 / AttnRes, 2026-12-02)."""
     return max(1, min(3, _tune(key, default)))
 
 
@@ -526,41 +447,30 @@ def backward(vs: List[Tensor], ks: List[Tensor], q: Tensor, s: Tensor, rstd: Ten
     bc = _chunk(d, "mc_bwd_chunk", 256)
     nc = triton.cdiv(d, bc)
     c0 = nc if projected else (d - r) // bc  # chunks from c0 on hold sliced key columns
-    # mc_dots_dv: the dot pass also writes the value gradients of the columns without key
-    # columns (no second read of the output gradients there); mc_coef: the per-source
-    # scalars of the gradient passes formed once per token (_coef_kernel)
-    dots_dv = bool(_tune("mc_dots_dv", 1)) and c0 > 0
-    coef_on = bool(_tune("mc_coef", 1))
+    # the dot pass also writes the value gradients of the columns below c0 (no key columns:
+    # they need no dots), from the output-gradient chunks it holds
     _dots_kernel[(nc1, T)](
         v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, dots, T, S, K, d, nc1,
-        c0 * bc if dots_dv else 0, BK=bk, BC1=bc1, A=aligned, PF=_prefetch("mc_dots_prefetch"),
-        DV=dots_dv, num_warps=_warps("mc_dots_warps", bc1))
-    if coef_on:
-        coef = _alloc((T, S, 2, bk), torch.float32, dev)
-        cc = _alloc((T, S), torch.float32, dev)
-        _coef_kernel[(T,)](s, rstd, lse, dlse, dots, coef, cc, T, S, K, nc1, r, scale, BK=bk,
-                           BS=bs, num_warps=1)
-    else:
-        coef, cc = s, rstd  # placeholders, never read
+        c0 * bc, BK=bk, BC1=bc1, A=aligned, PF=_prefetch("mc_dots_prefetch"), DV=c0 > 0,
+        num_warps=_warps("mc_dots_warps", bc1))
+    # the per-source scalars of the gradient passes, once per token
+    coef = _alloc((T, S, 2, bk), torch.float32, dev)
+    cc = _alloc((T, S), torch.float32, dev)
+    _coef_kernel[(T,)](s, rstd, lse, dlse, dots, coef, cc, T, S, K, nc1, r, scale, BK=bk, BS=bs,
+                       num_warps=1)
+    del dots
     nprog = _programs(T, dev, "mc_ctas_per_sm", 8)
     parts = _alloc((nprog, K, r), torch.float32, dev)
-    warps = _warps("mc_bwd_warps", bc)
-    args = (v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], q, s, rstd, lse, dlse, dots,
-            coef, cc, parts, T, S, K, d, r, nc1)
-    if c0 > 0 and not dots_dv:
-        _dvalues_plain_kernel[(c0, T)](g_tab, gs_tab, dv_tab, vs[0], gs[0], s, lse, coef, T, S,
-                                       K, d, BK=bk, BC=bc, A=aligned, COEF=coef_on,
-                                       num_warps=_warps("mc_plain_warps", bc))
     if c0 < nc:
-        _dvalues_kernel[(nc - c0, nprog)](*args, c0, scale, BK=bk, BC=bc, BS=bs, A=aligned,
-                                          PF=_prefetch("mc_keys_prefetch", 3), COEF=coef_on,
-                                          num_warps=warps)
+        _dvalues_kernel[(nc - c0, nprog)](
+            v_tab, vs_tab, g_tab, gs_tab, dv_tab, vs[0], gs[0], q, coef, cc, parts, T, S, K, d, r,
+            c0, BK=bk, BC=bc, A=aligned, PF=_prefetch("mc_keys_prefetch", 1),
+            num_warps=_warps("mc_bwd_warps", bc))
     if projected:
         (k_tab, ks_tab), (dk_tab, _) = tabs[3:]
         _dkeys_kernel[(nprog,)](
-            k_tab, ks_tab, dk_tab, ks[0], q, s, rstd, lse, dlse, dots, coef, cc, parts, T, S,
-            K, r, nc1, scale, BK=bk, BR=max(16, pow2(r)), BS=bs, COEF=coef_on,
-            num_warps=_tune("mc_keys_warps", 4))
+            k_tab, ks_tab, dk_tab, ks[0], q, coef, cc, parts, T, S, K, r, BK=bk,
+            BR=max(16, pow2(r)), num_warps=_tune("mc_keys_warps", 4))
     return parts.sum(0), dvs, dks
 
 

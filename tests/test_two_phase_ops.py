@@ -414,7 +414,7 @@ def test_multi_many_token_programs_match(projected, monkeypatch):
 
 
 CHUNKED_TILES = {
-    "prefetch_1": dict(mc_keys_prefetch=1),
+    "keys_prefetch_3": dict(mc_keys_prefetch=3),
     "prefetch_2": dict(mc_prefetch=2, mc_dots_prefetch=2, mc_keys_prefetch=2),
     "prefetch_3": dict(mc_prefetch=3, mc_dots_prefetch=3),
     "narrow_chunks": dict(mc_chunk=16, mc_dots_chunk=16, mc_bwd_chunk=16, mc_logit_chunk=16),
@@ -422,11 +422,6 @@ CHUNKED_TILES = {
                          mc_ctas_per_sm=1),
     # the dot pass's value gradients ending inside one of its chunks
     "wide_dots_narrow_grads": dict(mc_dots_chunk=64, mc_bwd_chunk=16),
-    # the gradient passes forming their per-source scalars themselves / a separate pass for
-    # the value gradients without key columns
-    "no_coef": dict(mc_coef=0),
-    "no_dots_dv": dict(mc_dots_dv=0, mc_keys_prefetch=2),
-    "no_coef_no_dots_dv": dict(mc_coef=0, mc_dots_dv=0),
 }
 
 

@@ -182,15 +182,16 @@ def timed_step(run: ArmRun, batches) -> None:
 
 def depth_read_kernel_names() -> List[str]:
     """Names of the fused depth-read GPU kernels (the Triton ``@jit`` functions of
-    ``lrattn_kernels.depth_read``, ``depth_read_multi`` and ``depth_merge`` (two-phase
-    schedule) whose names end in ``kernel``); empty without Triton."""
+    ``lrattn_kernels.depth_read``, and of ``depth_read_multi``, ``multi_chunked`` and
+    ``depth_merge`` (two-phase schedule), whose names end in ``kernel``); empty without
+    Triton."""
     try:
         import triton
-        from lrattn_kernels import depth_merge, depth_read, depth_read_multi
+        from lrattn_kernels import depth_merge, depth_read, depth_read_multi, multi_chunked
     except ImportError:
         return []
     names = set()
-    for k in (depth_read, depth_read_multi, depth_merge):
+    for k in (depth_read, depth_read_multi, multi_chunked, depth_merge):
         jitted = (getattr(v, "fn", None) for v in vars(k).values()
                   if isinstance(v, triton.runtime.jit.KernelInterface))
         names.update(f.__name__ for f in jitted if f is not None and f.__name__.endswith("kernel"))
