@@ -695,9 +695,9 @@ def main():
     ap.add_argument("--block-norm-sweep", action="store_true",
                     help="with --block-updates: merge settings timed on the blocks with "
                          "fused updates")
-    ap.add_argument("--block-grad-ab", action="store_true",
-                    help="with --block: phase-1 gradient-pass settings timed on the two-phase "
-                         "block (GRAD_AB), interleaved rounds, and their GPU time per kernel")
+    ap.add_argument("--block-phase1-ab", action="store_true",
+                    help="with --block: phase-1 settings timed on the two-phase block "
+                         "(PHASE1_AB), interleaved rounds, and the GPU time per kernel")
     ap.add_argument("--block-profile", action="store_true",
                     help="with --block: GPU time per kernel of one block, both schedules")
     ap.add_argument("--sweep-only", action="store_true",
@@ -818,52 +818,57 @@ def block_sweep(T, d, K, copy_tbps):
     kdr.TUNE.clear()
 
 
-# Phase-1 gradient-pass settings timed by --block-grad-ab (TUNE keys of
-# lrattn_kernels.multi_chunked; the first is the default)
-GRAD_AB = {
+# Phase-1 settings timed by --block-phase1-ab (TUNE keys of lrattn_kernels.multi_chunked;
+# the first is the default)
+PHASE1_AB = {
     "default": {},
+    "logits: all sources in one program": {"mc_logit_split": 0},
+    "value pass: logits read in the step": {"mc_logits_ahead": 0},
+    "both (the forward before 2026-12-02)": {"mc_logit_split": 0, "mc_logits_ahead": 0},
+    "logits tokens 32": {"mc_logit_tokens": 32},
+    "logits tokens 128": {"mc_logit_tokens": 128},
+    "logits chunk 64": {"mc_logit_chunk": 64},
     "key-gradient prefetch 2": {"mc_keys_prefetch": 2},
-    "key-gradient prefetch 3": {"mc_keys_prefetch": 3},
-    "key-gradient ctas/SM 16": {"mc_ctas_per_sm": 16},
-    "key-gradient ctas/SM 4": {"mc_ctas_per_sm": 4},
-    "key-gradient chunk 128 warps 1 ctas/SM 16": {"mc_bwd_chunk": 128, "mc_bwd_warps": 1,
-                                                   "mc_ctas_per_sm": 16},
     "key-gradient chunk 512 warps 2": {"mc_bwd_chunk": 512, "mc_bwd_warps": 2},
-    "dots chunk 512 warps 2": {"mc_dots_chunk": 512, "mc_dots_warps": 2},
 }
 
 
-def block_grad_ab(T, d, K, copy_tbps, S=9):
+def block_phase1_ab(T, d, K, copy_tbps, S=9):
     """Two-phase block (S sources, K sites; sliced r=d/4, AttnRes, projected r=d/4) under the
-    phase-1 gradient-pass settings of ``GRAD_AB``, each checked against the defaults, timed
-    by GPU busy time in ROUNDS interleaved rounds (median), then the GPU time per kernel of
-    the defaults."""
+    phase-1 settings of ``PHASE1_AB``, each checked against the defaults, timed (fwd and
+    fwd+bwd, GPU busy time) in ROUNDS interleaved rounds (median), then the GPU time per
+    kernel of the defaults."""
     nb = (3 * S + 5 * K - 3) * T * d * 2
+    nbf = (S + 2 * K - 1) * T * d * 2
     for keys_kind, r in (("sliced", d // 4), ("attnres", d), ("projected", d // 4)):
         inp, grads = block_inputs(T, d, r, S, K, keys_kind == "projected", seed=11)
         kdr.TUNE.clear()
         ref = block_fwd_bwd(block_two_phase, inp, grads)
         arms = {}
-        for name, tune in GRAD_AB.items():
+        for name, tune in PHASE1_AB.items():
             kdr.TUNE.clear()
             kdr.TUNE.update(tune)
             outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
             err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
             if err > 2 * TOL_BF16:
-                print(f"grad-ab block {keys_kind} {name}: RED CHECK {err:.1e}", flush=True)
+                print(f"phase1-ab block {keys_kind} {name}: RED CHECK {err:.1e}", flush=True)
                 continue
             arms[name] = (tune, err)
         times = {name: [] for name in arms}
+        ftimes = {name: [] for name in arms}
         for _ in range(ROUNDS if DEVICE == "cuda" else 1):
             for name, (tune, _) in arms.items():
                 kdr.TUNE.clear()
                 kdr.TUNE.update(tune)
+                with torch.no_grad():
+                    ftimes[name].append(device_ms(lambda: block_two_phase(**inp)))
                 times[name].append(device_ms(lambda: block_fwd_bwd(block_two_phase, inp,
                                                                    grads)))
         for name, (tune, err) in arms.items():
-            ms = statistics.median(times[name])
-            print(f"grad-ab block d={d} S={S} K={K} r={r} {keys_kind} {name}: GPU busy fwd+bwd "
-                  f"{ms:.3f} ms {100 * nb / ms / 1e9 / copy_tbps:.1f}% (rounds "
+            ms, fms = statistics.median(times[name]), statistics.median(ftimes[name])
+            print(f"phase1-ab block d={d} S={S} K={K} r={r} {keys_kind} {name}: GPU busy fwd "
+                  f"{fms:.3f} ms {100 * nbf / fms / 1e9 / copy_tbps:.1f}% fwd+bwd "
+                  f"{ms:.3f} ms {100 * nb / ms / 1e9 / copy_tbps:.1f}% (fwd+bwd rounds "
                   f"{' '.join(f'{x:.3f}' for x in times[name])}; vs default {err:.1e})",
                   flush=True)
         if DEVICE == "cuda":
@@ -871,7 +876,7 @@ def block_grad_ab(T, d, K, copy_tbps, S=9):
 
             for name in ("default",):
                 kdr.TUNE.clear()
-                kdr.TUNE.update(GRAD_AB[name])
+                kdr.TUNE.update(PHASE1_AB[name])
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         block_fwd_bwd(block_two_phase, inp, grads)
@@ -879,7 +884,7 @@ def block_grad_ab(T, d, K, copy_tbps, S=9):
                 evs = sorted(((e.self_device_time_total / 5, e.count // 5, e.key)
                               for e in prof.key_averages() if e.self_device_time_total > 0),
                              reverse=True)
-                print(f"grad-ab profile {keys_kind} {name}: "
+                print(f"phase1-ab profile {keys_kind} {name}: "
                       f"{sum(us for us, _, _ in evs):.0f} us per fwd+bwd", flush=True)
                 for us, n, key in evs[:10]:
                     print(f"    {us:8.1f} us  {n:3d} calls  {key[:80]}", flush=True)
@@ -1047,8 +1052,8 @@ def run_blocks(args, T, copy_tbps, meta):
         with open(args.csv, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=FIELDS).writerows(
                 block_updates(T, d, K, copy_tbps, meta, sweep_norm=args.block_norm_sweep))
-    if args.block_grad_ab:
-        block_grad_ab(T, d, K, copy_tbps)
+    if args.block_phase1_ab:
+        block_phase1_ab(T, d, K, copy_tbps)
     if args.block_profile and DEVICE == "cuda":
         block_profile(T, d, K)
 

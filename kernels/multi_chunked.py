@@ -54,9 +54,13 @@ def _row_chunk(tab, st_tab, i, ref, row64, cols, cmask, A: tl.constexpr):
 def _logits_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, s_ptr, rstd_ptr, lse_ptr,
                    T, S, K, d, r, eps, scale,
                    PROJECTED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   RC: tl.constexpr, KA: tl.constexpr, PREC: tl.constexpr):
+                   RC: tl.constexpr, KA: tl.constexpr, PREC: tl.constexpr,
+                   SPLIT: tl.constexpr):
     # BT tokens per program; the K logits of a source come from [BT, RC] x [RC, BK] products
-    # over RC-column chunks of its keys (no cross-thread reduction per query)
+    # over RC-column chunks of its keys (no cross-thread reduction per query). SPLIT: one
+    # source per program (program_id(1)), lse left to _lse_kernel; else every source in
+    # turn with an online max/sum for lse (one chunk load in flight per program: the pass
+    # is bound by the chain of r/RC * S dependent loads)
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
     rmask = rows < T
@@ -66,7 +70,13 @@ def _logits_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, s_ptr, rstd_
     kmask = kk < K
     m = tl.full([BT, BK], float("-inf"), tl.float32)
     l = tl.zeros([BT, BK], tl.float32)
-    for i in range(S):
+    i0 = 0
+    n = S
+    if SPLIT:
+        i0 = tl.program_id(1)
+        n = 1
+    for j in range(n):
+        i = i0 + j
         if PROJECTED:
             base = tl.load(k_tab + i).to(tl.pointer_type(kref.dtype.element_ty))
             rowp = base + rows64 * tl.load(ks_tab + i)
@@ -90,11 +100,27 @@ def _logits_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, q_ptr, s_ptr, rstd_
         tl.store(s_ptr + (rows64[:, None] * S + i) * K + kk[None, :], s,
                  mask=rmask[:, None] & kmask[None, :])
         tl.store(rstd_ptr + rows64 * S + i, rstd, mask=rmask)
-        m_new = tl.maximum(m, s)
-        l = l * tl.exp(m - m_new) + tl.exp(s - m_new)
-        m = m_new
-    tl.store(lse_ptr + kk[None, :].to(tl.int64) * T + rows64[:, None], m + tl.log(l),
-             mask=rmask[:, None] & kmask[None, :])
+        if not SPLIT:
+            m_new = tl.maximum(m, s)
+            l = l * tl.exp(m - m_new) + tl.exp(s - m_new)
+            m = m_new
+    if not SPLIT:
+        tl.store(lse_ptr + kk[None, :].to(tl.int64) * T + rows64[:, None], m + tl.log(l),
+                 mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _lse_kernel(s_ptr, lse_ptr, T, S, K, BS: tl.constexpr, BK: tl.constexpr):
+    # token t: lse_k = logsumexp_i s_ik from the [S, K] logits
+    t = tl.program_id(0).to(tl.int64)
+    ii = tl.arange(0, BS)
+    kk = tl.arange(0, BK)
+    kmask = kk < K
+    s2 = tl.load(s_ptr + (t * S + ii[:, None]) * K + kk[None, :],
+                 mask=(ii < S)[:, None] & kmask[None, :], other=float("-inf"))
+    m = tl.where(kmask, tl.max(s2, axis=0), 0.0)  # (padded queries: finite, not stored)
+    lse = m + tl.log(tl.where(kmask, tl.sum(tl.exp(s2 - m[None, :]), axis=0), 1.0))
+    tl.store(lse_ptr + kk.to(tl.int64) * T + t, lse, mask=kmask)
 
 
 @triton.jit
@@ -132,7 +158,8 @@ def _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A: tl.cons
 
 @triton.jit
 def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
-                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr, PF: tl.constexpr):
+                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr, PF: tl.constexpr,
+                   SA: tl.constexpr):
     # program (chunk, token): out_k[t, chunk] = sum_i a_ik v_i[t, chunk] for all k
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -143,10 +170,16 @@ def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
     lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
     acc = tl.zeros([BK, BC], tl.float32)
     v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
+    s_n = tl.load(s_ptr + t * S * K + kk, mask=kmask, other=float("-inf"))
     for i in range(S):
         v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
-        a = tl.exp(tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf")) - lse)
-        acc += a[:, None] * v[None, :]
+        if SA:  # the logits one source ahead, like the rows
+            s = s_n
+            s_n = tl.load(s_ptr + (t * S + tl.minimum(i + 1, S - 1)) * K + kk, mask=kmask,
+                          other=float("-inf"))
+        else:
+            s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
+        acc += tl.exp(s - lse)[:, None] * v[None, :]
     op = tl.load(o_tab + kk, mask=kmask, other=0).to(tl.pointer_type(oref.dtype.element_ty))
     ptrs = op[:, None] + t * d + cols[None, :]
     if A:
@@ -406,14 +439,19 @@ def forward(vs: List[Tensor], ks: List[Tensor], q: Tensor, eps: float, scale: fl
     ka = _aligned([keys], r) and (projected or (d - r) % (16 // vs[0].element_size()) == 0)
     # bf16 / fp16 keys are exact in tf32, so tf32x3 (q split in two) is fp32-accurate there
     prec = "ieee" if vs[0].dtype == torch.float32 or _tune("mc_logit_ieee", 0) else "tf32x3"
-    _logits_kernel[(triton.cdiv(T, bt),)](
+    # mc_logit_split: one program per token tile and source, lse in a pass of its own
+    split_src = bool(_tune("mc_logit_split", 1))
+    _logits_kernel[(triton.cdiv(T, bt), S if split_src else 1)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], keys[0], q, s, rstd, lse,
         T, S, K, d, r, eps, scale, PROJECTED=projected, BT=bt, BK=max(16, bk), RC=rc, KA=ka,
-        PREC=prec, num_warps=_tune("mc_logit_warps", 4))
+        PREC=prec, SPLIT=split_src, num_warps=_tune("mc_logit_warps", 4))
+    if split_src:
+        _lse_kernel[(T,)](s, lse, T, S, K, BS=pow2(S), BK=bk, num_warps=1)
     bc = _chunk(d, "mc_chunk", 1024)
     _values_kernel[(triton.cdiv(d, bc), T)](
         v_tab, vs_tab, o_tab, vs[0], out_list[0], s, lse, T, S, K, d, BK=bk, BC=bc,
         A=_aligned([vs, out_list], d), PF=_prefetch("mc_prefetch"),
+        SA=bool(_tune("mc_logits_ahead", 1)),
         num_warps=_warps("mc_warps", bc))
     return outs, lse, s, rstd
 
