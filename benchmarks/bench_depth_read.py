@@ -822,14 +822,12 @@ def block_sweep(T, d, K, copy_tbps):
 # the first is the default)
 PHASE1_AB = {
     "default": {},
-    "logits: all sources in one program": {"mc_logit_split": 0},
-    "value pass: logits read in the step": {"mc_logits_ahead": 0},
-    "both (the forward before 2026-12-02)": {"mc_logit_split": 0, "mc_logits_ahead": 0},
-    "logits tokens 32": {"mc_logit_tokens": 32},
-    "logits tokens 128": {"mc_logit_tokens": 128},
-    "logits chunk 64": {"mc_logit_chunk": 64},
-    "key-gradient prefetch 2": {"mc_keys_prefetch": 2},
-    "key-gradient chunk 512 warps 2": {"mc_bwd_chunk": 512, "mc_bwd_warps": 2},
+    "logits: all sources in one program, 64 tokens": {"mc_logit_split": 0,
+                                                       "mc_logit_tokens": 64},
+    "logits tokens 64": {"mc_logit_tokens": 64},
+    "logits tokens 256": {"mc_logit_tokens": 256},
+    "value pass chunk 512 warps 2": {"mc_chunk": 512, "mc_warps": 2},
+    "key-gradient prefetch 3": {"mc_keys_prefetch": 3},
 }
 
 

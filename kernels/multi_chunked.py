@@ -158,8 +158,7 @@ def _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A: tl.cons
 
 @triton.jit
 def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
-                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr, PF: tl.constexpr,
-                   SA: tl.constexpr):
+                   BK: tl.constexpr, BC: tl.constexpr, A: tl.constexpr, PF: tl.constexpr):
     # program (chunk, token): out_k[t, chunk] = sum_i a_ik v_i[t, chunk] for all k
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -170,16 +169,11 @@ def _values_kernel(v_tab, vs_tab, o_tab, vref, oref, s_ptr, lse_ptr, T, S, K, d,
     lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
     acc = tl.zeros([BK, BC], tl.float32)
     v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
-    s_n = tl.load(s_ptr + t * S * K + kk, mask=kmask, other=float("-inf"))
     for i in range(S):
         v, v0, v1, v2 = _ring_step(i, v0, v1, v2, v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
-        if SA:  # the logits one source ahead, like the rows
-            s = s_n
-            s_n = tl.load(s_ptr + (t * S + tl.minimum(i + 1, S - 1)) * K + kk, mask=kmask,
-                          other=float("-inf"))
-        else:
-            s = tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf"))
-        acc += tl.exp(s - lse)[:, None] * v[None, :]
+        # (the logits read one source ahead were 1% slower on one H200, 2026-12-02)
+        a = tl.exp(tl.load(s_ptr + (t * S + i) * K + kk, mask=kmask, other=float("-inf")) - lse)
+        acc += a[:, None] * v[None, :]
     op = tl.load(o_tab + kk, mask=kmask, other=0).to(tl.pointer_type(oref.dtype.element_ty))
     ptrs = op[:, None] + t * d + cols[None, :]
     if A:
@@ -430,10 +424,12 @@ def forward(vs: List[Tensor], ks: List[Tensor], q: Tensor, eps: float, scale: fl
         (v_tab, vs_tab), (o_tab, _) = _tables(vs, out_list)
         k_tab, ks_tab = v_tab, vs_tab
     bk = pow2(K)
-    # 64 tokens x 32 key columns per product (H200 block sweep: forward 0.840 / 1.199 ms at
-    # r = d/4 / d against 0.860 / 1.271 ms with 64-column chunks)
+    # 128 tokens x 32 key columns per product, one program per token tile and source (one
+    # H200, block forward S=9 d=2048, 2026-12-02: 0.794 / 1.074 ms at r = d/4 / d, against
+    # 0.801 / 1.106 ms at 64 tokens, 0.849 / 1.282 ms at 32, 0.834 / 1.239 ms with 64-column
+    # chunks, 0.820 / 1.180 ms with every source in one program)
     rc = _chunk(r, "mc_logit_chunk", 32)
-    bt = max(16, min(_tune("mc_logit_tokens", 64), pow2(T)))
+    bt = max(16, min(_tune("mc_logit_tokens", 128), pow2(T)))
     keys = ks if projected else vs
     # the keys' rows start on 16 bytes (sliced: d - r elements into each value row)
     ka = _aligned([keys], r) and (projected or (d - r) % (16 // vs[0].element_size()) == 0)
@@ -451,7 +447,6 @@ def forward(vs: List[Tensor], ks: List[Tensor], q: Tensor, eps: float, scale: fl
     _values_kernel[(triton.cdiv(d, bc), T)](
         v_tab, vs_tab, o_tab, vs[0], out_list[0], s, lse, T, S, K, d, BK=bk, BC=bc,
         A=_aligned([vs, out_list], d), PF=_prefetch("mc_prefetch"),
-        SA=bool(_tune("mc_logits_ahead", 1)),
         num_warps=_warps("mc_warps", bc))
     return outs, lse, s, rstd
 

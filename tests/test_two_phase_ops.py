@@ -422,8 +422,8 @@ CHUNKED_TILES = {
                          mc_ctas_per_sm=1),
     # the dot pass's value gradients ending inside one of its chunks
     "wide_dots_narrow_grads": dict(mc_dots_chunk=64, mc_bwd_chunk=16),
-    # every source's logits in one program (online lse), logits read in the value pass's step
-    "logits_unsplit": dict(mc_logit_split=0, mc_logits_ahead=0),
+    # every source's logits in one program (online lse)
+    "logits_unsplit": dict(mc_logit_split=0, mc_logit_tokens=64),
 }
 
 
