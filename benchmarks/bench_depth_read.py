@@ -826,7 +826,7 @@ PHASE1_AB = {
                                                        "mc_logit_tokens": 64},
     "logits tokens 64": {"mc_logit_tokens": 64},
     "logits tokens 256": {"mc_logit_tokens": 256},
-    "value pass chunk 512 warps 2": {"mc_chunk": 512, "mc_warps": 2},
+    "value pass chunk 1024 warps 4": {"mc_chunk": 1024, "mc_warps": 4},
     "key-gradient prefetch 3": {"mc_keys_prefetch": 3},
 }
 
