@@ -776,11 +776,11 @@ def block_sweep(T, d, K, copy_tbps):
     cands = {"default": {}}
     for pf in (2, 3):
         cands[f"value passes prefetch {pf}"] = dict(mc_prefetch=pf, mc_dots_prefetch=pf)
-    for pf in (1, 2):
+    for pf in (2, 3):
         cands[f"key-gradient prefetch {pf}"] = dict(mc_keys_prefetch=pf)
-    for bc, w in ((512, 2), (2048, 8)):
+    for bc, w in ((1024, 4), (2048, 8)):
         cands[f"fwd chunk {bc} warps {w}"] = dict(mc_chunk=bc, mc_warps=w)
-    for bt, rc, w in ((64, 16, 4), (32, 32, 4), (64, 32, 2), (128, 32, 4), (64, 64, 4)):
+    for bt, rc, w in ((128, 16, 4), (64, 32, 4), (128, 32, 2), (256, 32, 4), (128, 64, 4)):
         cands[f"logits tokens {bt} chunk {rc} warps {w}"] = dict(
             mc_logit_tokens=bt, mc_logit_chunk=rc, mc_logit_warps=w)
     for bc, w in ((256, 1), (512, 2), (2048, 8)):
