@@ -766,6 +766,31 @@ def main():
     summarize(rows)
 
 
+def kernel_times(fn, calls=5):
+    """(total, [(us, calls, kernel name)...] largest first): GPU microseconds per call of
+    ``fn`` by kernel, from a profiler trace of ``calls`` calls after one warm-up call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    evs = sorted(((e.self_device_time_total / calls, e.count // calls, e.key)
+                  for e in prof.key_averages() if e.self_device_time_total > 0), reverse=True)
+    return sum(us for us, _, _ in evs), evs
+
+
+def block_tune_error(tune, inp, grads, ref):
+    """Largest relative-RMS error of the two-phase block's outputs and gradients under the
+    TUNE settings ``tune`` (left set) against ``ref`` (the defaults' outputs, gradients)."""
+    kdr.TUNE.clear()
+    kdr.TUNE.update(tune)
+    outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
+    return max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
+
+
 def block_sweep(T, d, K, copy_tbps):
     """Two-phase block (S=9, sliced r=d/4 and AttnRes) under the tiles of the width-chunked
     phase 1 (``lrattn_kernels.multi_chunked``: sources in flight, column chunks and warps of
@@ -798,10 +823,7 @@ def block_sweep(T, d, K, copy_tbps):
         nb = {"fwd": (S + 2 * K - 1) * T * d * 2, "fwdbwd": (3 * S + 5 * K - 3) * T * d * 2}
         res = []
         for name, tune in cands.items():
-            kdr.TUNE.clear()
-            kdr.TUNE.update(tune)
-            outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
-            err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
+            err = block_tune_error(tune, inp, grads, ref)
             if err > 2 * TOL_BF16:
                 print(f"sweep block d={d} r={r} {name}: RED CHECK {err:.1e}", flush=True)
                 continue
@@ -844,10 +866,7 @@ def block_phase1_ab(T, d, K, copy_tbps, S=9):
         ref = block_fwd_bwd(block_two_phase, inp, grads)
         arms = {}
         for name, tune in PHASE1_AB.items():
-            kdr.TUNE.clear()
-            kdr.TUNE.update(tune)
-            outs, gs = block_fwd_bwd(block_two_phase, inp, grads)
-            err = max(rel_rms(a, b) for a, b in zip([*outs, *gs], [*ref[0], *ref[1]]))
+            err = block_tune_error(tune, inp, grads, ref)
             if err > 2 * TOL_BF16:
                 print(f"phase1-ab block {keys_kind} {name}: RED CHECK {err:.1e}", flush=True)
                 continue
@@ -870,22 +889,12 @@ def block_phase1_ab(T, d, K, copy_tbps, S=9):
                   f"{' '.join(f'{x:.3f}' for x in times[name])}; vs default {err:.1e})",
                   flush=True)
         if DEVICE == "cuda":
-            from torch.profiler import ProfilerActivity, profile
-
-            for name in ("default",):
-                kdr.TUNE.clear()
-                kdr.TUNE.update(PHASE1_AB[name])
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        block_fwd_bwd(block_two_phase, inp, grads)
-                    torch.cuda.synchronize()
-                evs = sorted(((e.self_device_time_total / 5, e.count // 5, e.key)
-                              for e in prof.key_averages() if e.self_device_time_total > 0),
-                             reverse=True)
-                print(f"phase1-ab profile {keys_kind} {name}: "
-                      f"{sum(us for us, _, _ in evs):.0f} us per fwd+bwd", flush=True)
-                for us, n, key in evs[:10]:
-                    print(f"    {us:8.1f} us  {n:3d} calls  {key[:80]}", flush=True)
+            kdr.TUNE.clear()
+            total, evs = kernel_times(lambda: block_fwd_bwd(block_two_phase, inp, grads))
+            print(f"phase1-ab profile {keys_kind} default: {total:.0f} us per fwd+bwd",
+                  flush=True)
+            for us, n, key in evs[:10]:
+                print(f"    {us:8.1f} us  {n:3d} calls  {key[:80]}", flush=True)
         del inp, grads, ref
     kdr.TUNE.clear()
 
@@ -1007,22 +1016,11 @@ NORM_SWEEP = ({}, {"merge_norm_mode": 0}, {"merge_tile": 4096}, {"merge_warps": 
 def block_profile(T, d, K, S=9):
     """GPU busy time per kernel of one block's fwd+bwd, both schedules, each key kind: where
     the block's time goes (profiler trace of 5 calls, microseconds per call)."""
-    from torch.profiler import ProfilerActivity, profile
-
     for keys_kind, r in (("sliced", d // 4), ("attnres", d), ("projected", d // 4)):
         inp, grads = block_inputs(T, d, r, S, K, keys_kind == "projected", seed=3)
         for name, fn in (("per_site", block_per_site(kdr.depth_read_triton)),
                          ("two_phase", block_two_phase)):
-            block_fwd_bwd(fn, inp, grads)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    block_fwd_bwd(fn, inp, grads)
-                torch.cuda.synchronize()
-            evs = sorted(((e.self_device_time_total / 5, e.count // 5, e.key)
-                          for e in prof.key_averages() if e.self_device_time_total > 0),
-                         reverse=True)
-            total = sum(us for us, _, _ in evs)
+            total, evs = kernel_times(lambda: block_fwd_bwd(fn, inp, grads))
             print(f"profile block d={d} S={S} K={K} {keys_kind} {name}: {total:.0f} us per "
                   f"fwd+bwd", flush=True)
             for us, n, key in evs[:10]:

@@ -30,6 +30,14 @@ step() {
     fi
 }
 _step_filter() { if [ -n "${DROP_WARNINGS:-}" ]; then grep -v -i "warn" || true; else cat; fi; }
+# two_phase_gpu_tests: the GPU-only tests of the two-phase ops (large bf16 shapes, the fused
+# norm included) and the bf16 Float16Module + DDP model tests on the fused kernels
+two_phase_gpu_tests() {
+    step "GPU tests: two-phase ops at large bf16 shapes" 120 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k "large_bf16 or gpu"
+    step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
+}
 # median_step FILE: median step time of a metrics file (iterations 5..) and its losses
 median_step() {
     python3 - "$1" <<'PY'

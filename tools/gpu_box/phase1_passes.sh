@@ -16,12 +16,7 @@ export PYTHONWARNINGS=ignore
 source "$(dirname "$0")/common.sh"
 status=0
 DROP_WARNINGS=1
-if [ -z "${SKIP_TESTS:-}" ]; then
-    step "GPU tests: two-phase ops at large bf16 shapes" 120 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_ops.py -k "large_bf16 or gpu"
-    step "bf16 DDP model tests on the fused kernels (two-phase vs per-site)" 120 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_two_phase_model.py -k gpu
-fi
+[ -z "${SKIP_TESTS:-}" ] && two_phase_gpu_tests
 step "two-phase block under the phase-1 settings" 240 \
     python3 benchmarks/bench_depth_read.py --block --sweep-only --block-phase1-ab \
         --rounds "${ROUNDS:-3}" --csv /tmp/unused_block.csv
