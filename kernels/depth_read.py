@@ -636,10 +636,33 @@ def pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# With POISON, every buffer also gets GUARD NaN elements past its end, recorded in GUARDED,
+# so that a test can check that no kernel wrote outside a buffer (``guards_intact``).
+GUARD = 64
+GUARDED: List[Tuple[Tensor, int]] = []
+
+
 def _alloc(shape, dtype, device) -> Tensor:
     if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        n = 1
+        for size in shape:
+            n *= size
+        buf = torch.full((n + GUARD,), float("nan"), dtype=dtype, device=device)
+        GUARDED.append((buf, n))
+        return buf[:n].view(shape)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def guards_intact() -> List[Tuple[int, Tuple[int, ...]]]:
+    """(buffer size, indices written past its end) of every buffer allocated since the last
+    call whose guard elements are no longer NaN (empty when none was); clears the record."""
+    bad = []
+    for buf, n in GUARDED:
+        hit = (~torch.isnan(buf[n:].float())).nonzero().flatten()
+        if hit.numel():
+            bad.append((n, tuple(int(i) for i in hit[:8])))
+    GUARDED.clear()
+    return bad
 
 
 def _prefetch() -> bool:

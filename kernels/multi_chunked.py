@@ -209,7 +209,7 @@ def _dots_kernel(v_tab, vs_tab, g_tab, gs_tab, dv_tab, vref, gref, s_ptr, lse_pt
     base = dots_ptr + (t * NC1 + c) * S * K
     v0, v1, v2 = _ring_start(v_tab, vs_tab, vref, t, cols, cmask, S, A, PF)
     if DV:
-        dmask = cols < dv_end
+        dmask = cmask & (cols < dv_end)  # (dv_end may pass d: projected keys, c0 = nc)
         lse = tl.load(lse_ptr + kk.to(tl.int64) * T + t, mask=kmask, other=0.0)
         s_n = tl.load(s_ptr + t * S * K + kk, mask=kmask, other=float("-inf"))
     for i in range(S):

@@ -40,7 +40,13 @@ TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
+    """NaN-filled buffers (an unwritten element fails the comparison), each followed by NaN
+    guard elements that must still be NaN after the test (no write past a buffer)."""
     monkeypatch.setattr(kdr, "POISON", True)
+    kdr.GUARDED.clear()
+    yield
+    bad = kdr.guards_intact()
+    assert not bad, f"kernels wrote past the end of buffers (size, guard indices): {bad}"
 
 
 @pytest.fixture(autouse=True, params=[0, 1], ids=["row_tiled", "source_tiled"])

@@ -55,7 +55,13 @@ MERGED = 2.0
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
+    """NaN-filled buffers (an unwritten element fails the comparison), each followed by NaN
+    guard elements that must still be NaN after the test (no write past a buffer)."""
     monkeypatch.setattr(kdr, "POISON", True)
+    kdr.GUARDED.clear()
+    yield
+    bad = kdr.guards_intact()
+    assert not bad, f"kernels wrote past the end of buffers (size, guard indices): {bad}"
 
 
 def rel_rms(x, ref, floor=1e-30):
