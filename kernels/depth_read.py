@@ -44,7 +44,7 @@ SAVE_OUTPUT = os.environ.get("LRATTN_DEPTH_READ_SAVE_OUTPUT", "1") == "1"
 # "ctas_per_sm": persistent backward programs per SM, "prefetch": 1 to load the next
 # source while reducing the current one; "src_*" keys for the source-tiled kernels
 # (sources, warps, stages, prefetch, fused_sums, maxnreg, ctas_per_sm; "src_bwd_*" for
-# the backward); "multi_*" / "merge_*" keys for the two-phase kernels}. The environment
+# the backward); "multi_*" / "mc_*" / "merge_*" keys for the two-phase kernels}. The environment
 # variable LRATTN_KERNELS_TUNE (a JSON object of the same keys)
 # presets it for a whole process, e.g. a training run with other tiles
 # (tools/gpu_box/two_phase_diag.sh).
