@@ -28,7 +28,7 @@ def tiny_config(residual: str = "lr_attnres", *, num_layers: int = 2, hidden_siz
                 ffn_hidden_size: int = 64, num_attention_heads: int = 4, bias: bool = False,
                 dropout: float = 0.0, **depth):
     """A tiny fp32 SwiGLU/RMSNorm ``LRAttnResConfig`` (depth fields passed through)."""
-    from megatron_lrattn.config import LRAttnResConfig
+    from megatron_lrattn.model.config import LRAttnResConfig
 
     return LRAttnResConfig(
         num_layers=num_layers,
@@ -52,8 +52,8 @@ def tiny_config(residual: str = "lr_attnres", *, num_layers: int = 2, hidden_siz
 def build_gpt(config, seed: int = 1234, *, spec=None, cls=None, vocab_size: int = VOCAB,
               seq_length: int = SEQ):
     """Seed, then build a model (``LRAttnResGPTModel`` with our spec by default)."""
-    from megatron_lrattn.model import LRAttnResGPTModel
-    from megatron_lrattn.spec import get_lr_attnres_layer_spec
+    from megatron_lrattn.model.gpt import LRAttnResGPTModel
+    from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
 
     cls = cls or LRAttnResGPTModel
     spec = spec if spec is not None else get_lr_attnres_layer_spec(config, core_attention="local")

@@ -126,8 +126,8 @@ def _batches(n=2):
 
 
 DEPTH_CASES = {
-    "sliced": dict(residual="lr_attnres", key="sliced", rank=8, num_blocks=3),
-    "projected": dict(residual="lr_attnres", key="projected", rank=8, num_blocks=3),
+    "sliced": dict(residual="lr_attnres", key_type="sliced", key_rank=8, num_blocks=3),
+    "projected": dict(residual="lr_attnres", key_type="projected", key_rank=8, num_blocks=3),
     "attnres-full": dict(residual="attnres", num_blocks=4),
 }
 
@@ -150,10 +150,10 @@ def test_zero_queries_read_uniformly(mp, case):
 def _direct(records, config, sites_query, eps, scale):
     """Mean weights and mean exp(entropy) per site, written out from the sub-layer outputs
     (float64) with the schedule's block structure."""
-    from megatron_lrattn.schedule import schedule_from_config
+    from megatron_lrattn.depth.schedule import schedule_from_config
 
     sched = schedule_from_config(config)
-    r = config.rank
+    r = config.key_rank
     weights, eff = {}, {}
     for emb, emb_key, outs in records:
         for j in range(1, sched.num_sites + 1):
@@ -180,7 +180,7 @@ def _direct(records, config, sites_query, eps, scale):
 @pytest.mark.parametrize("case", ["sliced", "projected"])
 def test_hand_set_queries_match_direct_computation(mp, case, monkeypatch):
     from megatron_lrattn.analysis.routing import analyze_model
-    from megatron_lrattn.depth_state import DepthState
+    from megatron_lrattn.depth.state import DepthState
 
     config = tiny_config(**DEPTH_CASES[case], depth_scale=1.5)
     model = build_gpt(config)
@@ -188,8 +188,8 @@ def test_hand_set_queries_match_direct_computation(mp, case, monkeypatch):
     queries = {}
     with torch.no_grad():
         for name, q in model.decoder.depth_queries.items():
-            q.weight.copy_(0.3 * torch.randn(config.rank, generator=g))
-            q.weight[int(name) % config.rank] += 4.0  # one-hot-ish
+            q.weight.copy_(0.3 * torch.randn(config.key_rank, generator=g))
+            q.weight[int(name) % config.key_rank] += 4.0  # one-hot-ish
             queries[int(name)] = q.weight.detach().clone()
     batches = _batches()
     plain_loss = []

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_lrattn import compat
-from megatron_lrattn.compat import PATCHED_NAMES, apply_cpu_compat, check_patch_targets
+from megatron_lrattn.compat import cpu as compat
+from megatron_lrattn.compat.cpu import PATCHED_NAMES, apply_cpu_compat, check_patch_targets
 
 from helpers import model_parallel_1x1, seed_all
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the layer is 
 FRESH_PROCESS = textwrap.dedent(
     """
     import importlib, torch
-    import megatron_lrattn.compat as c
+    import megatron_lrattn.compat.cpu as c
 
     # Every name exists upstream before anything is patched.
     for mod, name in c.PATCHED_NAMES:

@@ -9,22 +9,22 @@ import textwrap
 import pytest
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lrattn.config import (
+from megatron_lrattn.model.config import (
     DEPTH_BACKENDS,
     KEY_TYPES,
     RESIDUAL_MODES,
     ConfigError,
     LRAttnResConfig,
 )
-from megatron_lrattn.schedule import depth_schedule, schedule_from_config
+from megatron_lrattn.depth.schedule import depth_schedule, schedule_from_config
 
 D = 64
 SMALL = dict(num_layers=2, hidden_size=D, num_attention_heads=4, num_blocks=4)
 
 OUR_FIELDS = {
     "residual": "lr_attnres",
-    "key": "sliced",
-    "rank": None,
+    "key_type": "sliced",
+    "key_rank": None,
     "num_blocks": 8,
     "key_norm_eps": 1e-6,
     "depth_scale": 1.0,
@@ -74,8 +74,8 @@ def test_every_new_field_has_a_docstring():
 def test_defaults_lr_attnres():
     cfg = LRAttnResConfig(num_layers=4, hidden_size=D, num_attention_heads=4)
     assert cfg.residual == "lr_attnres"
-    assert cfg.key == "sliced"
-    assert cfg.rank == D // 4
+    assert cfg.key_type == "sliced"
+    assert cfg.key_rank == D // 4
     assert cfg.num_blocks == 8
     assert cfg.key_norm_eps == 1e-6
     assert cfg.depth_scale == 1.0
@@ -91,15 +91,15 @@ def test_default_num_blocks_needs_enough_layers():
 
 
 def test_default_rank_per_mode():
-    assert make().rank == D // 4
-    assert make(key="projected").rank == D // 4
-    assert make(residual="attnres").rank == D
-    assert make(residual="standard").rank is None
+    assert make().key_rank == D // 4
+    assert make(key_type="projected").key_rank == D // 4
+    assert make(residual="attnres").key_rank == D
+    assert make(residual="standard").key_rank is None
 
 
 def test_default_rank_is_at_least_one():
     cfg = LRAttnResConfig(num_layers=2, hidden_size=2, num_attention_heads=1, num_blocks=2)
-    assert cfg.rank == 1
+    assert cfg.key_rank == 1
 
 
 def test_properties_per_mode():
@@ -107,18 +107,18 @@ def test_properties_per_mode():
     assert not std.uses_depth_attention and not std.projected_keys
     att = make(residual="attnres")
     assert att.uses_depth_attention and not att.projected_keys
-    proj = make(key="projected", rank=8)
+    proj = make(key_type="projected", key_rank=8)
     assert proj.uses_depth_attention and proj.projected_keys
 
 
 @pytest.mark.parametrize("rank", [1, 7, D // 4, D - 1, D])
 def test_valid_ranks(rank):
-    assert make(rank=rank).rank == rank
-    assert make(rank=rank, key="projected").rank == rank
+    assert make(key_rank=rank).key_rank == rank
+    assert make(key_rank=rank, key_type="projected").key_rank == rank
 
 
 def test_attnres_explicit_full_rank():
-    assert make(residual="attnres", rank=D).rank == D
+    assert make(residual="attnres", key_rank=D).key_rank == D
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -143,39 +143,39 @@ def test_config_error_is_a_value_error():
 
 @pytest.mark.parametrize("rank", [0, -1, -D])
 def test_rank_below_one(rank):
-    expect_error("rank", rank, f"1 <= rank <= hidden_size ({D})", rank=rank)
+    expect_error("key_rank", rank, f"1 <= key_rank <= hidden_size ({D})", key_rank=rank)
 
 
 @pytest.mark.parametrize("rank", [D + 1, 4 * D])
 def test_rank_above_hidden(rank):
-    expect_error("rank", rank, f"1 <= rank <= hidden_size ({D})", rank=rank)
-    expect_error("rank", rank, f"1 <= rank <= hidden_size ({D})", rank=rank, key="projected")
+    expect_error("key_rank", rank, f"1 <= key_rank <= hidden_size ({D})", key_rank=rank)
+    expect_error("key_rank", rank, f"1 <= key_rank <= hidden_size ({D})", key_rank=rank, key_type="projected")
 
 
 @pytest.mark.parametrize("rank", [16.0, 16.5, "16", True])
 def test_rank_not_an_int(rank):
-    expect_error("rank", rank, "an integer", rank=rank)
+    expect_error("key_rank", rank, "an integer", key_rank=rank)
 
 
 @pytest.mark.parametrize("rank", [1, D // 4, D - 1, D + 1])
 def test_attnres_needs_full_rank(rank):
-    expect_error("rank", rank, f"r = hidden_size = {D}", residual="attnres", rank=rank)
-    expect_error("rank", rank, "use lr_attnres", residual="attnres", rank=rank)
+    expect_error("key_rank", rank, f"r = hidden_size = {D}", residual="attnres", key_rank=rank)
+    expect_error("key_rank", rank, "use lr_attnres", residual="attnres", key_rank=rank)
 
 
 def test_attnres_refuses_projected_keys():
-    expect_error("key", "projected", "use lr_attnres", residual="attnres", key="projected")
+    expect_error("key_type", "projected", "use lr_attnres", residual="attnres", key_type="projected")
 
 
 @pytest.mark.parametrize("rank", [1, D // 4, D])
 def test_standard_refuses_rank(rank):
     allowed = "only to residual attnres/lr_attnres"
-    expect_error("rank", rank, allowed, residual="standard", rank=rank)
+    expect_error("key_rank", rank, allowed, residual="standard", key_rank=rank)
 
 
 def test_standard_refuses_projected_keys():
     allowed = "only to residual lr_attnres"
-    expect_error("key", "projected", allowed, residual="standard", key="projected")
+    expect_error("key_type", "projected", allowed, residual="standard", key_type="projected")
 
 
 @pytest.mark.parametrize("n", [0, -1])
@@ -201,8 +201,8 @@ def test_unknown_residual(name):
 
 @pytest.mark.parametrize("name", ["slice", "Projected", "full", ""])
 def test_unknown_key(name):
-    expect_error("key", name, "one of " + ", ".join(KEY_TYPES), key=name)
-    expect_error("key", name, "one of " + ", ".join(KEY_TYPES), key=name, residual="standard")
+    expect_error("key_type", name, "one of " + ", ".join(KEY_TYPES), key_type=name)
+    expect_error("key_type", name, "one of " + ", ".join(KEY_TYPES), key_type=name, residual="standard")
 
 
 @pytest.mark.parametrize("name", ["cuda", "Triton", "te", ""])

@@ -106,7 +106,7 @@ def test_bad_shapes_are_refused(bad):
 
 
 def test_mode_names_match_the_config():
-    from megatron_lrattn import config
+    from megatron_lrattn.model import config
     from megatron_lrattn.analysis import flops
 
     assert flops.RESIDUAL_MODES == config.RESIDUAL_MODES
@@ -132,16 +132,16 @@ def test_parameter_counts_match_built_models():
     import torch.nn.functional as F
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed.*")
-    from megatron_lrattn.config import LRAttnResConfig
-    from megatron_lrattn.model import LRAttnResGPTModel
-    from megatron_lrattn.spec import get_lr_attnres_layer_spec
+    from megatron_lrattn.model.config import LRAttnResConfig
+    from megatron_lrattn.model.gpt import LRAttnResGPTModel
+    from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
 
     with _model_parallel_1x1():
         for kw in BUILT:
             shape = ModelShape(num_layers=4, hidden_size=32, ffn_hidden_size=48,
                                num_attention_heads=4, seq_length=16, vocab_size=96, **kw)
             depth = {} if shape.residual == "standard" else dict(
-                key=shape.key, rank=shape.rank, num_blocks=shape.num_blocks)
+                key_type=shape.key, key_rank=shape.rank, num_blocks=shape.num_blocks)
             cfg = LRAttnResConfig(
                 num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                 ffn_hidden_size=shape.ffn_hidden_size,

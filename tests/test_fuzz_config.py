@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import model_parallel_1x1, seed_all
-from megatron_lrattn.config import KEY_TYPES, RESIDUAL_MODES, ConfigError
+from megatron_lrattn.model.config import KEY_TYPES, RESIDUAL_MODES, ConfigError
 from megatron_lrattn.training.arguments import ArgumentError, parse_args
 
 VOCAB, SEQ = 128, 8

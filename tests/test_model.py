@@ -48,9 +48,9 @@ def reference_forward(model, tokens: torch.Tensor) -> torch.Tensor:
     and MLP sub-modules (and norms, head) of ``model`` are reused. Returns logits [b, s, V]."""
     cfg = model.config
     dec = model.decoder
-    L, d, r = cfg.num_layers, cfg.hidden_size, cfg.rank
+    L, d, r = cfg.num_layers, cfg.hidden_size, cfg.key_rank
     eps, tau = cfg.key_norm_eps, cfg.depth_scale
-    projected = cfg.residual == "lr_attnres" and cfg.key == "projected"
+    projected = cfg.residual == "lr_attnres" and cfg.key_type == "projected"
     ends = _block_ends(L, cfg.num_blocks)
     s = tokens.shape[1]
 
@@ -114,7 +114,7 @@ def _params_standard(V: int, d: int, h: int, L: int) -> int:
      ("lr_attnres", "sliced", 5), ("lr_attnres", "projected", 8), ("lr_attnres", "projected", 3)],
 )
 def test_parameter_count_formula(L, d, h, residual, key, rank):
-    depth = {} if residual == "standard" else dict(key=key, rank=rank, num_blocks=2)
+    depth = {} if residual == "standard" else dict(key_type=key, key_rank=rank, num_blocks=2)
     cfg = tiny_config(residual, num_layers=L, hidden_size=d, ffn_hidden_size=h, **depth)
     model = build_gpt(cfg)
     expected = _params_standard(VOCAB, d, h, L)
@@ -163,8 +163,8 @@ def test_standard_is_bit_identical_to_megatron_gpt():
 
 DEPTH_MODES = [
     pytest.param(dict(residual="attnres"), id="attnres"),
-    pytest.param(dict(residual="lr_attnres", key="sliced", rank=8), id="sliced"),
-    pytest.param(dict(residual="lr_attnres", key="projected", rank=8), id="projected"),
+    pytest.param(dict(residual="lr_attnres", key_type="sliced", key_rank=8), id="sliced"),
+    pytest.param(dict(residual="lr_attnres", key_type="projected", key_rank=8), id="projected"),
 ]
 
 
@@ -190,7 +190,7 @@ def test_forward_matches_plain_pytorch_reimplementation(mode, num_blocks):
 
 
 def test_forward_with_linear_biases_matches_reimplementation():
-    cfg = tiny_config("lr_attnres", key="projected", rank=8, num_blocks=3, bias=True)
+    cfg = tiny_config("lr_attnres", key_type="projected", key_rank=8, num_blocks=3, bias=True)
     model = build_gpt(cfg, seed=22)
     model.eval()
     with torch.no_grad():
@@ -249,7 +249,7 @@ def test_zero_queries_read_the_plain_mean_of_sources(mode):
 
 
 def test_every_parameter_gets_a_gradient_also_in_bf16():
-    cfg = tiny_config("lr_attnres", key="projected", rank=8, num_blocks=2)
+    cfg = tiny_config("lr_attnres", key_type="projected", key_rank=8, num_blocks=2)
     model = build_gpt(cfg, seed=24)
     tokens, pos, labels = tiny_batch(7)
     depth_names = [n for n, _ in model.named_parameters()
@@ -289,7 +289,7 @@ def test_sliced_with_full_rank_equals_attnres():
     d = 32
     attn = build_gpt(tiny_config("attnres", num_blocks=3, hidden_size=d), seed=25)
     _set_random_queries(attn, seed=9)
-    sliced = build_gpt(tiny_config("lr_attnres", key="sliced", rank=d, num_blocks=3,
+    sliced = build_gpt(tiny_config("lr_attnres", key_type="sliced", key_rank=d, num_blocks=3,
                                    hidden_size=d), seed=26)
     sliced.load_state_dict(attn.state_dict())
     tokens, pos, labels = tiny_batch(8)
@@ -301,8 +301,8 @@ def test_sliced_with_full_rank_equals_attnres():
 
 
 def test_layer_refuses_standard_and_full_recompute():
-    from megatron_lrattn.layer import LRAttnResLayer
-    from megatron_lrattn.spec import get_lr_attnres_layer_spec
+    from megatron_lrattn.model.layer import LRAttnResLayer
+    from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
 
     submodules = get_lr_attnres_layer_spec(tiny_config("attnres", num_blocks=2)).submodules
     with pytest.raises(ValueError, match="residual standard"):

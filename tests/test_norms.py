@@ -13,7 +13,7 @@ from tests.helpers import tiny_config
 def test_norm_marks_parameters_for_sequence_parallel_reduction(normalization, cls, sp):
     """The module is PyTorch's own norm; every parameter carries ``sequence_parallel`` as
     configured (``finalize_model_grads`` all-reduces those across TP)."""
-    from megatron_lrattn.norms import SequenceParallelTorchNorm
+    from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
     config = tiny_config("lr_attnres", num_blocks=2)
     config.normalization = normalization
@@ -28,7 +28,7 @@ def test_norm_matches_megatron_torch_norm_without_sp():
     """Without sequence parallelism the output equals megatron's ``WrappedTorchNorm``."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_lrattn.norms import SequenceParallelTorchNorm
+    from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
     config = tiny_config("standard")
     ours = SequenceParallelTorchNorm(config=config, hidden_size=32, eps=1e-5)
@@ -42,7 +42,7 @@ def test_norm_matches_megatron_torch_norm_without_sp():
 
 
 def test_norm_refuses_unsupported_settings():
-    from megatron_lrattn.norms import SequenceParallelTorchNorm
+    from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
     config = tiny_config("standard")
     config.normalization = "L2Norm"
@@ -57,8 +57,8 @@ def test_norm_refuses_unsupported_settings():
 def test_specs_use_the_norm_everywhere():
     """Layer spec: input and pre-MLP norms (and q/k norms when enabled); block spec: the
     final norm, one layer spec per layer built on this stage."""
-    from megatron_lrattn.norms import SequenceParallelTorchNorm
-    from megatron_lrattn.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
+    from megatron_lrattn.model.norms import SequenceParallelTorchNorm
+    from megatron_lrattn.model.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
     from tests.helpers import model_parallel_1x1
 
     config = tiny_config("lr_attnres", num_blocks=2)

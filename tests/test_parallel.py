@@ -94,7 +94,7 @@ def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None, lay
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_lrattn.pipeline import depth_tensor_shapes_fn
+    from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
     from megatron_lrattn.training.arguments import parse_args
     from megatron_lrattn.training.builder import build_config, build_model_chunks, wrap_model
 
@@ -160,7 +160,7 @@ def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None, lay
 def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_lrattn.compat import apply_cpu_compat
+    from megatron_lrattn.compat.cpu import apply_cpu_compat
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -223,8 +223,8 @@ def _check(reports: dict, layouts) -> None:
             if "vp2" in layout and "L8" in layout and mode != "standard":
                 # PP=4, 8 chunks of one layer: each chunk receives what hop_payloads says
                 # is new to its rank (the payload formula), and the cache ends empty.
-                from megatron_lrattn.pipeline import hop_payloads
-                from megatron_lrattn.schedule import depth_schedule
+                from megatron_lrattn.depth.pipeline import hop_payloads
+                from megatron_lrattn.depth.schedule import depth_schedule
 
                 hops = hop_payloads(depth_schedule(8, 3),
                                     list(range(2, 17, 2)), 4, seq_rows=SEQ,
@@ -277,12 +277,12 @@ def test_pp4_interleaved_matches_tp1pp1(tmp_path):
 def test_stage_shapes_follow_the_depth_schedule(key, width):
     """L=4, N=3 (block ends 3, 6, 8), PP=2: the boundary after sub-layer 4 carries v0, B1
     and the partial P[4:4], i.e. 3 sources of s rows; projected keys widen it by r."""
-    from megatron_lrattn.config import LRAttnResConfig
-    from megatron_lrattn.pipeline import depth_tensor_shapes_fn, stage_sublayers
+    from megatron_lrattn.model.config import LRAttnResConfig
+    from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn, stage_sublayers
 
     config = LRAttnResConfig(num_layers=4, hidden_size=64, num_attention_heads=4,
                              pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-                             residual="lr_attnres", key=key, num_blocks=3)
+                             residual="lr_attnres", key_type=key, num_blocks=3)
     assert [stage_sublayers(config, r) for r in (0, 1)] == [(0, 4), (4, 8)]
     default = [(SEQ, MBS, 64)]
     recv0, send0 = depth_tensor_shapes_fn(config, 0)(default, default)

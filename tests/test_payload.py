@@ -6,14 +6,14 @@ import logging
 import pytest
 import torch
 
-from megatron_lrattn.pipeline import (
+from megatron_lrattn.depth.pipeline import (
     chunk_ends_from_config,
     format_payload_table,
     hop_payloads,
     log_pipeline_payloads,
     stage_boundary_warnings,
 )
-from megatron_lrattn.schedule import depth_schedule
+from megatron_lrattn.depth.schedule import depth_schedule
 
 MIB = 1024 * 1024
 
@@ -101,7 +101,7 @@ def test_boundary_just_after_a_block_closes_warns():
 
 
 def _config(**kw):
-    from megatron_lrattn.config import LRAttnResConfig
+    from megatron_lrattn.model.config import LRAttnResConfig
 
     return LRAttnResConfig(num_layers=16, hidden_size=64, num_attention_heads=4,
                            pipeline_dtype=torch.bfloat16, num_blocks=8, **kw)
@@ -118,7 +118,7 @@ def test_chunk_ends_follow_megatron_interleaving():
 
 def test_log_pipeline_payloads(caplog):
     cfg = _config(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    with caplog.at_level(logging.INFO, logger="megatron_lrattn.pipeline"):
+    with caplog.at_level(logging.INFO, logger="megatron_lrattn.depth.pipeline"):
         hops = log_pipeline_payloads(cfg, seq_length=32, micro_batch_size=1)
     assert [len(h.new_sources) for h in hops] == [3, 2, 2]
     assert hops[0].bytes_per_source == 32 * 1 * 64 * 2
@@ -130,7 +130,7 @@ def test_chunk_plans_and_cache_gradients():
     """L=4, N=3, P=2, V=2: chunk 2 (rank 0) receives B1, P[4:4] and takes v0 from chunk 0's
     cache. Gradients reach the cached source through the producing chunk's pack in the
     order megatron runs backward (later chunk first), and the cache is emptied."""
-    from megatron_lrattn.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
+    from megatron_lrattn.depth.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
 
     schedule, ends = depth_schedule(4, 3), [2, 4, 6, 8]
     plans = [chunk_plan(schedule, ends, 2, c) for c in range(4)]

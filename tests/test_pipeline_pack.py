@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_lrattn.depth_state import DepthState
-from megatron_lrattn.pipeline import pack_state, packed_num_sources, unpack_state
-from megatron_lrattn.schedule import depth_schedule
+from megatron_lrattn.depth.state import DepthState
+from megatron_lrattn.depth.pipeline import pack_state, packed_num_sources, unpack_state
+from megatron_lrattn.depth.schedule import depth_schedule
 
 S_LEN, B, D, R = 3, 2, 8, 3
 

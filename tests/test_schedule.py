@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_lrattn.schedule import DepthSchedule, SiteSources, depth_schedule
+from megatron_lrattn.depth.schedule import DepthSchedule, SiteSources, depth_schedule
 
 
 def expected_ends(num_layers: int, num_blocks: int) -> tuple:

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from helpers import build_gpt, model_parallel_1x1, tiny_batch, tiny_config
-from megatron_lrattn import te_compat
-from megatron_lrattn.spec import SPEC_BACKENDS, get_lr_attnres_layer_spec
+from megatron_lrattn.compat import te as te_compat
+from megatron_lrattn.model.spec import SPEC_BACKENDS, get_lr_attnres_layer_spec
 
 MODES = [("standard", {}), ("attnres", {"num_blocks": 4}),
          ("lr_attnres", {"num_blocks": 4}),
-         ("lr_attnres", {"key": "projected", "rank": 16, "num_blocks": 4})]
+         ("lr_attnres", {"key_type": "projected", "key_rank": 16, "num_blocks": 4})]
 MODE_IDS = ["standard", "attnres", "sliced", "projected"]
 HAVE_TE = te_compat.te_available()
 no_te = pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here: the "
@@ -70,22 +70,22 @@ def test_fp8_needs_te_and_shapes_and_recipes_it_accepts():
     other than delayed/tensorwise, with fp8_param, and with GEMM widths TE's FP8 kernels
     refuse (projected keys add r rows to the output projections); so are TE's
     communication-overlap buffers with projected keys."""
-    ok = _config("lr_attnres", {"key": "projected", "rank": 16, "num_blocks": 4}, fp8="hybrid")
+    ok = _config("lr_attnres", {"key_type": "projected", "key_rank": 16, "num_blocks": 4}, fp8="hybrid")
     with pytest.raises(ValueError, match="fp8='hybrid' needs backend='te'"):
         get_lr_attnres_layer_spec(ok)
     te_compat.check_fp8_config(ok)
-    odd = dataclasses.replace(ok, rank=4)
+    odd = dataclasses.replace(ok, key_rank=4)
     with pytest.raises(ValueError, match=r"linear_proj: 32 -> 36 per TP rank; "
                                          r"linear_fc2: 64 -> 36 per TP rank"):
         get_lr_attnres_layer_spec(odd, backend="te")
     # d + r = 40: TE's own input checks and the forward accept it, its backward GEMM does not
     with pytest.raises(ValueError, match=r"linear_proj: 32 -> 40 per TP rank"):
-        te_compat.check_fp8_config(dataclasses.replace(ok, rank=8))
+        te_compat.check_fp8_config(dataclasses.replace(ok, key_rank=8))
     with pytest.raises(ValueError, match="fp8_recipe='mxfp8' is not supported"):
         te_compat.check_fp8_config(dataclasses.replace(ok, fp8_recipe="mxfp8"))
     with pytest.raises(ValueError, match="fp8_param"):
         te_compat.check_fp8_config(dataclasses.replace(ok, fp8_param=True))
-    te_compat.check_fp8_config(dataclasses.replace(ok, fp8=None, rank=4))
+    te_compat.check_fp8_config(dataclasses.replace(ok, fp8=None, key_rank=4))
     with pytest.raises(ValueError, match="tp_comm_overlap with projected keys"):
         get_lr_attnres_layer_spec(dataclasses.replace(ok, fp8=None, tp_comm_overlap=True),
                                   backend="te")
@@ -248,8 +248,8 @@ def test_hf_converter_reads_and_writes_both_namings(mode, depth):
         vocab_size=128, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_attention_heads, max_position_embeddings=16,
-        add_bias_linear=True, residual=mode, key_type=cfg.key,
-        key_rank=cfg.rank if mode != "standard" else None, num_blocks=cfg.num_blocks,
+        add_bias_linear=True, residual=mode, key_type=cfg.key_type,
+        key_rank=cfg.key_rank if mode != "standard" else None, num_blocks=cfg.num_blocks,
         tie_word_embeddings=False)
     local = model.state_dict()
     hf = megatron_to_hf(local, hcfg)
@@ -276,8 +276,8 @@ def _need_te_cuda():
 
 
 def _build_cuda(cfg, backend, seed=1234):
-    from megatron_lrattn.model import LRAttnResGPTModel
-    from megatron_lrattn.spec import get_lr_attnres_block_spec
+    from megatron_lrattn.model.gpt import LRAttnResGPTModel
+    from megatron_lrattn.model.spec import get_lr_attnres_block_spec
     from helpers import seed_all
 
     cfg = dataclasses.replace(cfg, use_cpu_initialization=False, bf16=True,
@@ -303,7 +303,7 @@ def test_te_model_matches_local_model_with_the_same_weights(mode, depth):
     assert type(layer.input_layernorm).__name__ == "IdentityOp"
     assert type(layer.self_attention.linear_qkv).__name__ == "TELayerNormColumnParallelLinear"
     assert type(layer.mlp.linear_fc1).__name__ == "TELayerNormColumnParallelLinear"
-    extra = cfg.rank if cfg.projected_keys else 0
+    extra = cfg.key_rank if cfg.projected_keys else 0
     assert layer.mlp.linear_fc2.weight.shape[0] == cfg.hidden_size + extra
     assert layer.self_attention.linear_proj.weight.shape[0] == cfg.hidden_size + extra
     assert ({v.key for v in local.sharded_state_dict().values()}

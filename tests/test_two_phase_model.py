@@ -29,7 +29,7 @@ def _train(schedule: str, backend: str, mode: str, key: str = "sliced", seed: in
     depth = dict(num_blocks=2, depth_schedule=schedule, depth_backend=backend,
                  fuse_depth_norm=fuse_norm)
     if residual == "lr_attnres":
-        depth["key"] = key
+        depth["key_type"] = key
     model = build_gpt(tiny_config(residual, num_layers=3, **depth), seed=seed).to(dtype)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_two_phase_matches_per_site_over_training_steps(mp, mode, key, monkeypat
     merge a partial sum, and sites 2 and 5 form it from the last output in their merge. Every
     merge applies the next sub-layer's RMSNorm itself (the layer's norm module is skipped
     there); with fuse_depth_norm off the norm modules run on the merged reads instead."""
-    import megatron_lrattn.depth_state as ds
+    import megatron_lrattn.depth.state as ds
 
     calls = {"depth_merge": [], "depth_merge_update": []}
     for name in calls:
@@ -129,8 +129,8 @@ def test_per_site_triton_kernels_match_reference_over_training_steps(mp, key, im
 
 
 def test_auto_schedule_resolution_and_config_errors(mp):
-    from megatron_lrattn.config import ConfigError
-    from megatron_lrattn.depth_state import uses_two_phase
+    from megatron_lrattn.model.config import ConfigError
+    from megatron_lrattn.depth.state import uses_two_phase
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     # auto: two-phase where the reads run on the fused kernels (CUDA, backend auto/triton)
@@ -155,7 +155,7 @@ def test_fusable_norms():
     modules (local spec) are such norms."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron_lrattn.depth_state import fusable_rmsnorm
+    from megatron_lrattn.depth.state import fusable_rmsnorm
 
     norm = torch.nn.RMSNorm(8, eps=1e-5)
     weight, eps = fusable_rmsnorm(norm)
@@ -184,7 +184,7 @@ def test_pretrain_flag():
 
 
 def test_block_sites_of_the_paper_schedule():
-    from megatron_lrattn.schedule import depth_schedule
+    from megatron_lrattn.depth.schedule import depth_schedule
 
     s = depth_schedule(24, 8)
     assert s.block_sites(0) == (1, 2, 3, 4, 5)
@@ -217,7 +217,7 @@ def _pp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         return real_run(mode, t, p, ref, **kw)
 
     tp._run_layout = run
-    import megatron_lrattn.depth_state as ds
+    import megatron_lrattn.depth.state as ds
 
     calls = {"depth_read_multi": 0, "depth_merge": 0}
     for name in calls:

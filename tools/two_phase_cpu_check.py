@@ -30,7 +30,7 @@ def main() -> None:
 
     import test_two_phase_model as t
     from helpers import model_parallel_1x1
-    from megatron_lrattn.compat import apply_cpu_compat
+    from megatron_lrattn.compat.cpu import apply_cpu_compat
 
     apply_cpu_compat()
     with model_parallel_1x1():

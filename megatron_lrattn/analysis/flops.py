@@ -1,6 +1,6 @@
 """Parameter and FLOP accounting for a model configuration (pure Python, no torch).
 
-Every count is per token. The block structure comes from ``megatron_lrattn.schedule``;
+Every count is per token. The block structure comes from ``megatron_lrattn.depth.schedule``;
 nothing here re-derives which sources a read site sees.
 
 Added forward FLOPs (the paper's Appendix A, as in DESIGN.md)
@@ -60,14 +60,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
-from megatron_lrattn.schedule import depth_schedule
+from megatron_lrattn.depth.schedule import depth_schedule
 
 RESIDUAL_MODES = ("standard", "attnres", "lr_attnres")
-"""Same names as ``megatron_lrattn.config.RESIDUAL_MODES`` (a test keeps them equal;
+"""Same names as ``megatron_lrattn.model.config.RESIDUAL_MODES`` (a test keeps them equal;
 importing the config would import megatron-core, which takes seconds)."""
 
 KEY_TYPES = ("sliced", "projected")
-"""Same names as ``megatron_lrattn.config.KEY_TYPES``."""
+"""Same names as ``megatron_lrattn.model.config.KEY_TYPES``."""
 
 DEFAULT_VOCAB_SIZE = 50304
 """GPT-2's 50,257 tokens padded to a multiple of 128. The vocabulary only changes the

@@ -33,9 +33,9 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 import torch
 from torch import Tensor
 
-from megatron_lrattn.depth_state import DepthState
+from megatron_lrattn.depth.state import DepthState
 from megatron_lrattn.ops.reference import _logits
-from megatron_lrattn.schedule import schedule_from_config
+from megatron_lrattn.depth.schedule import schedule_from_config
 from megatron_lrattn.training.checkpoint import (
     META_NAME,
     check_compatible,
@@ -312,6 +312,6 @@ def _routing_report(acc: _Accumulator, config) -> Dict:
         "mean_weights": weights,
         "block_ends": list(schedule.block_ends),
         "num_blocks": schedule.num_blocks,
-        "rank": config.rank,
-        "key": config.key,
+        "rank": config.key_rank,
+        "key": config.key_type,
     }

@@ -90,7 +90,7 @@ def _training_args(meta: Dict, path: str) -> argparse.Namespace:
     targs.tensor_model_parallel_size = targs.pipeline_model_parallel_size = 1
     targs.sequence_parallel = False
     # A TE-spec (and FP8) checkpoint has the local spec's distributed-checkpoint keys
-    # (megatron_lrattn.te_compat), so the local model reads it on any machine; analysis
+    # (megatron_lrattn.compat.te), so the local model reads it on any machine; analysis
     # reads depth per site.
     targs.transformer_impl, targs.fp8_format = "local", None
     targs.num_layers_per_virtual_pipeline_stage = None
@@ -148,7 +148,7 @@ def _batches(dataset, num_batches: int, mbs: int) -> Iterator[Dict]:
 def _title(config, iteration) -> str:
     mode = config.residual
     if config.uses_depth_attention:
-        mode += f", {config.key} r={config.rank} N={config.num_blocks}"
+        mode += f", {config.key_type} r={config.key_rank} N={config.num_blocks}"
     return f"({mode}, iter {iteration})"
 
 
@@ -224,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return rc
     args = parsed[0]
 
-    from megatron_lrattn.config import ConfigError
+    from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError
 
     def _main() -> int:

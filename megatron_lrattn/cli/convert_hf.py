@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
-    from megatron_lrattn.config import ConfigError
+    from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError
     from megatron_lrattn.hf.convert import ConversionError
     from megatron_lrattn.training.checkpoint import CheckpointError

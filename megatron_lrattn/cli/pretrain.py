@@ -11,7 +11,7 @@ from megatron_lrattn.cli.common import run_cli, setup_logging
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
-    from megatron_lrattn.config import ConfigError
+    from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError
     from megatron_lrattn.training.arguments import ArgumentError, parse_args
     from megatron_lrattn.training.checkpoint import CheckpointError

@@ -3,7 +3,7 @@
 Megatron names are those of a TP1PP1 ``LRAttnResGPTModel.state_dict()`` (what a
 distributed checkpoint of any layout loads into) built with the local spec; a TE-spec state
 dict (norm gains as ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``) is
-accepted too and ``hf_to_megatron(..., naming="te")`` writes one (``megatron_lrattn.te_compat``).
+accepted too and ``hf_to_megatron(..., naming="te")`` writes one (``megatron_lrattn.compat.te``).
 HF names are those of ``LRAttnForCausalLM``. Layouts:
 
 * ``linear_qkv`` is megatron's per-query-group interleaved [ng * (q_per_group + 2) * hn, d]
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
-from megatron_lrattn.te_compat import local_to_te_keys, spec_naming, te_to_local_keys
+from megatron_lrattn.compat.te import local_to_te_keys, spec_naming, te_to_local_keys
 
 
 class ConversionError(ValueError):

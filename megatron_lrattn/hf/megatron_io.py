@@ -105,7 +105,7 @@ def _build_tp1(args: argparse.Namespace, vocab_padded: int, bf16: bool):
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.sequence_parallel = False
     # A TE-spec checkpoint has the same distributed-checkpoint keys as a local one
-    # (megatron_lrattn.te_compat), so the CPU-side local model reads either.
+    # (megatron_lrattn.compat.te), so the CPU-side local model reads either.
     args.transformer_impl, args.fp8_format = "local", None
     config = build_config(args, bf16=bf16)
     model = build_model(config, args, vocab_padded)

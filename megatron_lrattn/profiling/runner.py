@@ -129,7 +129,7 @@ def build_arm(arm: Arm, args: argparse.Namespace, vocab_size: int, num_micro: in
     Raises:
         ConfigError: when the arm's configuration is refused.
     """
-    from megatron_lrattn.pipeline import depth_tensor_shapes_fn
+    from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
     from megatron_lrattn.training.builder import (
         build_config, build_model_chunks, build_optimizer, wrap_model,
     )

@@ -12,7 +12,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lrattn.cli.common import positive_int
-from megatron_lrattn.config import DEPTH_BACKENDS, DEPTH_SCHEDULES, KEY_TYPES, RESIDUAL_MODES
+from megatron_lrattn.model.config import DEPTH_BACKENDS, DEPTH_SCHEDULES, KEY_TYPES, RESIDUAL_MODES
 from megatron_lrattn.training.presets import PRESETS
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -293,7 +293,7 @@ def _check_writable(flag: str, path: str, parent: str, is_dir: bool) -> None:
 
 def _check_transformer_engine(args: argparse.Namespace) -> None:
     """``--transformer-impl``/``--fp8-*``: FP8 only with TE, TE importable, FP8 shapes."""
-    from megatron_lrattn import te_compat
+    from megatron_lrattn.compat import te as te_compat
 
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         raise ArgumentError(f"--fp8-format {args.fp8_format} needs --transformer-impl "

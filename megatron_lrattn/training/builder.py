@@ -8,9 +8,9 @@ from typing import List, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron_lrattn.config import LRAttnResConfig
-from megatron_lrattn.model import LRAttnResGPTModel
-from megatron_lrattn.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
+from megatron_lrattn.model.config import LRAttnResConfig
+from megatron_lrattn.model.gpt import LRAttnResGPTModel
+from megatron_lrattn.model.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
 
 
 SPEC_BACKENDS = {"local": "local", "transformer_engine": "te"}
@@ -70,8 +70,8 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         use_cpu_initialization=not torch.cuda.is_available(),
         finalize_model_grads_func=finalize_model_grads,
         residual=args.residual,
-        key=args.key,
-        rank=args.rank,
+        key_type=args.key,
+        key_rank=args.rank,
         num_blocks=args.num_blocks,
         key_norm_eps=args.key_norm_eps,
         depth_scale=args.depth_scale,
@@ -112,7 +112,7 @@ def build_model_chunks(config: LRAttnResConfig, args: argparse.Namespace, vocab_
                        ) -> List:
     """This rank's model chunks: one per virtual pipeline stage (interleaved schedule),
     sharing one rank-local depth-source cache, else a list of the one model."""
-    from megatron_lrattn.block import link_model_chunks
+    from megatron_lrattn.model.block import link_model_chunks
 
     virtual = config.virtual_pipeline_model_parallel_size
     if not virtual:

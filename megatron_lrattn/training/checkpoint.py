@@ -33,7 +33,9 @@ import torch.distributed as dist
 
 from megatron_lrattn.training import faults
 
-DEPTH_FIELDS = ("residual", "key", "rank", "num_blocks", "num_layers", "hidden_size")
+# Names as stored in lrattn.json (stable across releases) -> the config field they record.
+DEPTH_FIELDS = {"residual": "residual", "key": "key_type", "rank": "key_rank",
+                "num_blocks": "num_blocks", "num_layers": "num_layers", "hidden_size": "hidden_size"}
 META_NAME = "lrattn.json"
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 _ITER_NAME = re.compile(r"iter_\d{7}")
@@ -66,7 +68,7 @@ def _barrier() -> None:
 
 def model_settings(config) -> Dict[str, Any]:
     """The config fields a checkpoint must agree on to be loaded."""
-    return {f: getattr(config, f) for f in DEPTH_FIELDS}
+    return {name: getattr(config, field) for name, field in DEPTH_FIELDS.items()}
 
 
 def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, scheduler,

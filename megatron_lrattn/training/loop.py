@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from megatron_lrattn.data.datasets import build_gpt_datasets, get_batch
 from megatron_lrattn.data.tokenizer import HFTokenizer
-from megatron_lrattn.depth_state import uses_two_phase
-from megatron_lrattn.pipeline import depth_tensor_shapes_fn, log_pipeline_payloads
+from megatron_lrattn.depth.state import uses_two_phase
+from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn, log_pipeline_payloads
 from megatron_lrattn.training.arguments import ArgumentError
 from megatron_lrattn.training.builder import (
     build_config,
@@ -192,7 +192,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         meta = load_checkpoint(args.load, models, optimizer, scheduler, config)
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
     info = dict(provenance(), params=n_params, world_size=rt.world_size, tp=rt.tp, pp=rt.pp,
-                dp=rt.dp, residual=config.residual, key=config.key, rank=config.rank,
+                dp=rt.dp, residual=config.residual, key=config.key_type, rank=config.key_rank,
                 num_blocks=config.num_blocks, bf16=bf16)
     logger.info("run: %s", json.dumps(info))
     if config.uses_depth_attention:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_lrattn.compat import apply_cpu_compat
+from megatron_lrattn.compat.cpu import apply_cpu_compat
 
 
 def _free_port() -> int:

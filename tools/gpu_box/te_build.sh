@@ -129,5 +129,5 @@ if compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/lrattn_site \
         .whl/megatron_core-*.whl
     PYTHONPATH="$PWD:/tmp/lrattn_site:$PYTHONPATH" python3 -c \
-        "from megatron_lrattn.te_compat import require_te; require_te(); print('megatron-core sees TE')"
+        "from megatron_lrattn.compat.te import require_te; require_te(); print('megatron-core sees TE')"
 fi

@@ -36,12 +36,12 @@ class LRAttnResConfig(TransformerConfig):
     Megatron), ``attnres`` (depth attention with full d-wide keys) or ``lr_attnres``
     (depth attention with rank-r keys)."""
 
-    key: str = "sliced"
+    key_type: str = "sliced"
     """Routing-key type for ``lr_attnres``: ``sliced`` (key = last r coordinates of the
     source, no extra parameters) or ``projected`` (output projections emit r extra key
     rows). ``attnres`` requires ``sliced``."""
 
-    rank: Optional[int] = None
+    key_rank: Optional[int] = None
     """Key rank r. Default: hidden_size // 4 for ``lr_attnres``, hidden_size for
     ``attnres``; must stay None for ``standard``."""
 
@@ -78,8 +78,8 @@ class LRAttnResConfig(TransformerConfig):
         super().__post_init__()
         if self.residual not in RESIDUAL_MODES:
             raise _bad("residual", self.residual, f"one of {', '.join(RESIDUAL_MODES)}")
-        if self.key not in KEY_TYPES:
-            raise _bad("key", self.key, f"one of {', '.join(KEY_TYPES)}")
+        if self.key_type not in KEY_TYPES:
+            raise _bad("key_type", self.key_type, f"one of {', '.join(KEY_TYPES)}")
         if self.depth_backend not in DEPTH_BACKENDS:
             raise _bad("depth_backend", self.depth_backend, f"one of {', '.join(DEPTH_BACKENDS)}")
         if self.depth_schedule not in DEPTH_SCHEDULES:
@@ -90,26 +90,29 @@ class LRAttnResConfig(TransformerConfig):
             raise _bad("fuse_depth_norm", self.fuse_depth_norm, "True or False")
         d = self.hidden_size
         if self.residual == "standard":
-            if self.rank is not None:
-                raise _bad("rank", self.rank, "rank applies only to residual attnres/lr_attnres")
-            if self.key != "sliced":
-                raise _bad("key", self.key, "key types apply only to residual lr_attnres")
+            if self.key_rank is not None:
+                raise _bad("key_rank", self.key_rank,
+                           "key_rank applies only to residual attnres/lr_attnres")
+            if self.key_type != "sliced":
+                raise _bad("key_type", self.key_type,
+                           "key types apply only to residual lr_attnres")
             return
         if self.residual == "attnres":
-            if self.key != "sliced":
-                raise _bad("key", self.key, "attnres keys are the full sources; use lr_attnres")
-            if self.rank is None:
-                self.rank = d
-            if self.rank != d:
+            if self.key_type != "sliced":
+                raise _bad("key_type", self.key_type,
+                           "attnres keys are the full sources; use lr_attnres")
+            if self.key_rank is None:
+                self.key_rank = d
+            if self.key_rank != d:
                 raise _bad(
-                    "rank", self.rank, f"attnres uses r = hidden_size = {d}; use lr_attnres"
+                    "key_rank", self.key_rank, f"attnres uses r = hidden_size = {d}; use lr_attnres"
                 )
-        elif self.rank is None:
-            self.rank = max(1, d // 4)
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
-            raise _bad("rank", self.rank, "an integer")
-        if not 1 <= self.rank <= d:
-            raise _bad("rank", self.rank, f"1 <= rank <= hidden_size ({d})")
+        elif self.key_rank is None:
+            self.key_rank = max(1, d // 4)
+        if isinstance(self.key_rank, bool) or not isinstance(self.key_rank, int):
+            raise _bad("key_rank", self.key_rank, "an integer")
+        if not 1 <= self.key_rank <= d:
+            raise _bad("key_rank", self.key_rank, f"1 <= key_rank <= hidden_size ({d})")
         if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int):
             raise _bad("num_blocks", self.num_blocks, "an integer")
         if not 1 <= self.num_blocks <= 2 * self.num_layers:
@@ -131,4 +134,4 @@ class LRAttnResConfig(TransformerConfig):
     @property
     def projected_keys(self) -> bool:
         """True when sub-layers emit projected keys."""
-        return self.residual == "lr_attnres" and self.key == "projected"
+        return self.residual == "lr_attnres" and self.key_type == "projected"

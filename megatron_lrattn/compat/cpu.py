@@ -98,7 +98,7 @@ def check_patch_targets() -> None:
     ]
     if missing:
         raise RuntimeError(
-            "megatron_lrattn.compat: upstream no longer has " + ", ".join(missing)
+            "megatron_lrattn.compat.cpu: upstream no longer has " + ", ".join(missing)
             + "; update the CPU compatibility layer"
         )
 

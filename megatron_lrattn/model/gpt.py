@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from megatron_lrattn.block import LRAttnResBlock
+from megatron_lrattn.model.block import LRAttnResBlock
 
 
 class LRAttnResGPTModel(GPTModel):

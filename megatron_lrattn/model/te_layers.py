@@ -1,5 +1,5 @@
 """Modules of the TE layer spec that megatron-core does not have. Needs Transformer Engine:
-import only after ``megatron_lrattn.te_compat.require_te()`` (``spec.py`` does).
+import only after ``megatron_lrattn.compat.te.require_te()`` (``spec.py`` does).
 
 Precision: TE's FP8 autocast changes only TE modules (their GEMMs quantise inputs and weights
 to FP8 and write bf16 outputs). The depth read is PyTorch or Triton code, so running it inside
@@ -21,7 +21,7 @@ try:  # TE >= 2.8; older releases have it only in the (now deprecated) fp8 modul
 except ImportError:  # pragma: no cover - depends on the TE release
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-from megatron_lrattn.layer import LRAttnResLayer
+from megatron_lrattn.model.layer import LRAttnResLayer
 
 
 class KeyEmittingTERowParallelLinear(TERowParallelLinear):
@@ -31,7 +31,7 @@ class KeyEmittingTERowParallelLinear(TERowParallelLinear):
     them; ``LRAttnResLayer`` splits the output and RMS-normalises the key in fp32."""
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
-        super().__init__(input_size, output_size + config.rank, config=config, **kwargs)
+        super().__init__(input_size, output_size + config.key_rank, config=config, **kwargs)
 
 
 class TELRAttnResLayer(LRAttnResLayer):

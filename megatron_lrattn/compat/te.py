@@ -158,7 +158,7 @@ def check_fp8_config(config) -> None:
         num_query_groups=config.num_query_groups or config.num_attention_heads,
         kv_channels=config.kv_channels or config.hidden_size // config.num_attention_heads,
         tensor_parallel=config.tensor_model_parallel_size, swiglu=config.gated_linear_unit,
-        key_rows=config.rank if getattr(config, "projected_keys", False) else 0)
+        key_rows=config.key_rank if getattr(config, "projected_keys", False) else 0)
     if bad:
         raise ValueError(f"FP8 needs GEMM input widths divisible by {FP8_FAN_IN} and output "
                          f"widths by {FP8_FAN_OUT}: {'; '.join(bad)}")

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
-from megatron_lrattn.depth_state import DepthState, apply_norm, rms_normalize
-from megatron_lrattn.schedule import schedule_from_config
+from megatron_lrattn.depth.state import DepthState, apply_norm, rms_normalize
+from megatron_lrattn.depth.schedule import schedule_from_config
 
 
 class DepthQuery(nn.Module):

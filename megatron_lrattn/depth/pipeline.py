@@ -20,8 +20,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_lrattn.depth_state import DepthState
-from megatron_lrattn.schedule import DepthSchedule
+from megatron_lrattn.depth.state import DepthState
+from megatron_lrattn.depth.schedule import DepthSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def chunk_ends_from_config(config) -> List[int]:
 
 def boundary_width(config) -> int:
     """Last dimension w of the packed state: d, or d + r with projected keys."""
-    return config.hidden_size + (config.rank if config.projected_keys else 0)
+    return config.hidden_size + (config.key_rank if config.projected_keys else 0)
 
 
 def boundary_shape(schedule: DepthSchedule, sublayers_done: int, seq_rows: int,
@@ -170,7 +170,7 @@ def depth_tensor_shapes_fn(config, pp_rank: Optional[int] = None
         from megatron.core import parallel_state
 
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    from megatron_lrattn.schedule import schedule_from_config
+    from megatron_lrattn.depth.schedule import schedule_from_config
 
     schedule = schedule_from_config(config)
     before, after = stage_sublayers(config, pp_rank)
@@ -330,7 +330,7 @@ def log_pipeline_payloads(config, seq_length: int, micro_batch_size: int) -> Lis
     """
     if not getattr(config, "uses_depth_attention", False) or config.pipeline_model_parallel_size == 1:
         return []
-    from megatron_lrattn.schedule import schedule_from_config
+    from megatron_lrattn.depth.schedule import schedule_from_config
 
     schedule = schedule_from_config(config)
     ends = chunk_ends_from_config(config)

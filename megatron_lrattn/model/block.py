@@ -8,9 +8,9 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
-from megatron_lrattn.depth_state import DepthState, rms_normalize, uses_two_phase
-from megatron_lrattn.layer import DepthQuery
-from megatron_lrattn.pipeline import (
+from megatron_lrattn.depth.state import DepthState, rms_normalize, uses_two_phase
+from megatron_lrattn.model.layer import DepthQuery
+from megatron_lrattn.depth.pipeline import (
     chunk_ends_from_config,
     pack_state,
     packed_num_sources,
@@ -18,8 +18,8 @@ from megatron_lrattn.pipeline import (
     state_sources,
     unpack_state,
 )
-from megatron_lrattn.schedule import schedule_from_config
-from megatron_lrattn.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
+from megatron_lrattn.depth.schedule import schedule_from_config
+from megatron_lrattn.depth.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
 
 
 class LRAttnResBlock(TransformerBlock):
@@ -57,10 +57,10 @@ class LRAttnResBlock(TransformerBlock):
             sites += [s for s in (2 * layer.layer_number - 2, 2 * layer.layer_number - 1) if s]
         if self.post_process:
             sites.append(self.schedule.num_sites)
-        self.depth_queries = nn.ModuleDict({str(s): DepthQuery(config.rank, sp) for s in sites})
+        self.depth_queries = nn.ModuleDict({str(s): DepthQuery(config.key_rank, sp) for s in sites})
         self.embedding_key_proj = None
         if self.pre_process and config.projected_keys:
-            self.embedding_key_proj = nn.Linear(config.hidden_size, config.rank, bias=False)
+            self.embedding_key_proj = nn.Linear(config.hidden_size, config.key_rank, bias=False)
             config.init_method(self.embedding_key_proj.weight)
             self.embedding_key_proj.weight.sequence_parallel = sp
         first = self.layers[0].layer_number if len(self.layers) else None
@@ -140,7 +140,7 @@ class LRAttnResBlock(TransformerBlock):
 
         Returns:
             The final-normed read of site 2L [s, b, d] on the last stage, otherwise the
-            packed depth state (see ``megatron_lrattn.pipeline``).
+            packed depth state (see ``megatron_lrattn.depth.pipeline``).
         """
         unsupported = {
             "context": context,

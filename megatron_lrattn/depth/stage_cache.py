@@ -100,7 +100,7 @@ class ChunkPlan:
 
 def chunk_plan(schedule, chunk_ends: Sequence[int], pp_size: int, chunk: int) -> ChunkPlan:
     """``ChunkPlan`` of chunk ``chunk`` from the layer split (see ``pipeline.hop_payloads``)."""
-    from megatron_lrattn.pipeline import hop_payloads
+    from megatron_lrattn.depth.pipeline import hop_payloads
 
     hops = hop_payloads(schedule, chunk_ends, pp_size, seq_rows=1, micro_batch_size=1,
                         width=1, bytes_per_element=1)

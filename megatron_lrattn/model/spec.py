@@ -13,9 +13,9 @@ from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_lrattn.attention import SDPACoreAttention
-from megatron_lrattn.layer import LRAttnResLayer
-from megatron_lrattn.norms import SequenceParallelTorchNorm
+from megatron_lrattn.model.attention import SDPACoreAttention
+from megatron_lrattn.model.layer import LRAttnResLayer
+from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
 SPEC_BACKENDS = ("local", "te")
 CORE_ATTENTION = ("auto", "local", "sdpa")
@@ -29,7 +29,7 @@ class KeyEmittingRowParallelLinear(RowParallelLinear):
     """
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
-        super().__init__(input_size, output_size + config.rank, config=config, **kwargs)
+        super().__init__(input_size, output_size + config.key_rank, config=config, **kwargs)
 
 
 def _replace_submodules(entry, **changes):
@@ -73,7 +73,7 @@ def get_lr_attnres_layer_spec(
 
     Raises:
         ValueError: an unknown choice, or FP8 settings without ``te`` or that TE refuses.
-        megatron_lrattn.te_compat.TEUnavailableError: ``te`` without Transformer Engine.
+        megatron_lrattn.compat.te.TEUnavailableError: ``te`` without Transformer Engine.
     """
     if backend not in SPEC_BACKENDS:
         raise ValueError(f"backend={backend!r} is not available; allowed: {SPEC_BACKENDS}")
@@ -118,7 +118,7 @@ def _te_layer_spec(config, qk_layernorm: bool, core_attention: str) -> ModuleSpe
     norms stay ``SequenceParallelTorchNorm`` (and the block's final norm too), so every
     distributed-checkpoint key is the same as the local spec's (``te_compat``).
     """
-    from megatron_lrattn import te_compat
+    from megatron_lrattn.compat import te as te_compat
 
     if core_attention != "auto":
         raise ValueError(f"core_attention={core_attention!r} applies to backend='local'; the "
@@ -132,7 +132,7 @@ def _te_layer_spec(config, qk_layernorm: bool, core_attention: str) -> ModuleSpe
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megatron_lrattn.te_layers import KeyEmittingTERowParallelLinear, TELRAttnResLayer
+    from megatron_lrattn.model.te_layers import KeyEmittingTERowParallelLinear, TELRAttnResLayer
 
     spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     sub = spec.submodules
