@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -12,14 +11,6 @@ from typing import Callable, Tuple, Type
 # megatron-core warns on import that TE/apex are absent; the fallbacks are what we use.
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def setup_logging(verbose: bool = False) -> None:

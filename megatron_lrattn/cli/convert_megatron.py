@@ -6,7 +6,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from megatron_lrattn.cli.common import positive_int, run_cli, setup_logging
+from megatron_lrattn.cli.common import run_cli, setup_logging
+from megatron_lrattn.training.arg_types import positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:

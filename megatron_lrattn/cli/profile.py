@@ -15,7 +15,8 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from megatron_lrattn.cli.common import positive_int, run_cli, setup_logging
+from megatron_lrattn.cli.common import run_cli, setup_logging
+from megatron_lrattn.training.arg_types import positive_int
 
 PROG = "lrattn-profile"
 

@@ -1,0 +1,17 @@
+"""The error and the argparse value types shared by every ``lrattn-*`` command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class ArgumentError(ValueError):
+    """A bad command-line value; the message names the flag and what is allowed."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value

@@ -1,0 +1,179 @@
+"""Checks of parsed ``lrattn-pretrain`` arguments: values, combinations, paths, TE/FP8."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import tempfile
+from typing import List
+
+from megatron_lrattn.training.arg_types import ArgumentError
+
+
+def _data_prefixes(data_path: List[str]) -> List[str]:
+    items = list(data_path)
+    try:
+        float(items[0])
+        weighted = True
+    except ValueError:
+        weighted = False
+    if not weighted:
+        return items
+    if len(items) % 2:
+        raise ArgumentError("--data-path: weighted form needs pairs 'WEIGHT PREFIX'")
+    for w in items[0::2]:
+        try:
+            if not float(w) > 0:
+                raise ValueError
+        except ValueError:
+            raise ArgumentError(f"--data-path: weight {w!r} is not a positive number") from None
+    return items[1::2]
+
+
+def _check_writable(flag: str, path: str, parent: str, is_dir: bool) -> None:
+    """Refuse a path that cannot be written: a file where a folder must go (or the other
+    way round), or a folder where creating a file fails (permissions, a read-only file
+    system; tried with a probe file that is removed at once, so it also holds for root)."""
+    if is_dir and os.path.exists(path) and not os.path.isdir(path):
+        raise ArgumentError(f"{flag}: {path} exists and is not a directory")
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"{flag}: {parent} is not a directory")
+    where = path if is_dir and os.path.isdir(path) else parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lrattn_write_test_", dir=where)
+    except OSError as e:
+        raise ArgumentError(f"{flag}: {where} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _check_transformer_engine(args: argparse.Namespace) -> None:
+    """``--transformer-impl``/``--fp8-*``: FP8 only with TE, TE importable, FP8 shapes."""
+    from megatron_lrattn.compat import te as te_compat
+
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        raise ArgumentError(f"--fp8-format {args.fp8_format} needs --transformer-impl "
+                            "transformer_engine (FP8 GEMMs are Transformer Engine modules)")
+    if args.transformer_impl != "transformer_engine":
+        return
+    if args.fp8_format:
+        tp = args.tensor_model_parallel_size
+        tokens = args.seq_length * args.micro_batch_size // (tp if args.sequence_parallel else 1)
+        projected = args.residual == "lr_attnres" and args.key == "projected"
+        bad = te_compat.fp8_shape_problems(
+            hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+            kv_channels=args.hidden_size // args.num_attention_heads, tensor_parallel=tp,
+            swiglu=args.swiglu,
+            key_rows=(args.rank or args.hidden_size // 4) if projected else 0)
+        if tokens % te_compat.FP8_TOKENS:
+            bad.append(f"{tokens} tokens per micro-batch and rank (not a multiple of "
+                       f"{te_compat.FP8_TOKENS})")
+        if bad:
+            raise ArgumentError(f"--fp8-format {args.fp8_format}: TE's FP8 GEMMs refuse "
+                                f"{'; '.join(bad)}")
+    try:
+        te_compat.require_te()
+    except te_compat.TEUnavailableError as e:
+        raise ArgumentError(f"--transformer-impl transformer_engine: {e}") from None
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check values and combinations before anything is built or written.
+
+    Raises:
+        ArgumentError: naming the flag, the value and what is allowed.
+    """
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(
+            f"--hidden-size {args.hidden_size} is not divisible by "
+            f"--num-attention-heads {args.num_attention_heads}"
+        )
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError("--num-attention-heads must be a multiple of --num-query-groups")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value % tp:
+            raise ArgumentError(f"{flag} {value} is not divisible by "
+                                f"--tensor-model-parallel-size {tp} (each rank holds a slice)")
+    if args.num_layers % pp:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {pp} (equal layers per stage)")
+    head_dim = args.hidden_size // args.num_attention_heads
+    if args.position_embedding_type == "rope" and head_dim % 2:
+        raise ArgumentError(
+            f"--position-embedding-type rope needs an even head dimension: --hidden-size "
+            f"{args.hidden_size} / --num-attention-heads {args.num_attention_heads} = {head_dim}")
+    n_sub = 2 * args.num_layers
+    if args.residual != "standard":
+        if not 1 <= args.num_blocks <= n_sub:
+            raise ArgumentError(
+                f"--num-blocks {args.num_blocks} is not allowed: 1 <= N <= 2 * --num-layers "
+                f"({n_sub})"
+            )
+        if args.rank is not None and not 1 <= args.rank <= args.hidden_size:
+            raise ArgumentError(
+                f"--rank {args.rank} is not allowed: 1 <= r <= --hidden-size ({args.hidden_size})"
+            )
+    elif args.rank is not None:
+        raise ArgumentError("--rank applies only to --residual attnres/lr_attnres")
+    if args.residual == "attnres" and args.key != "sliced":
+        raise ArgumentError("--key projected needs --residual lr_attnres (attnres keys are the sources)")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        raise ArgumentError(f"--lr {args.lr} / --min-lr {args.min_lr}: need 0 <= min-lr <= lr, lr > 0")
+    if not 0 <= args.lr_warmup_iters < args.train_iters:
+        raise ArgumentError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} is not allowed: 0 <= warm-up < "
+            f"--train-iters ({args.train_iters})"
+        )
+    for flag in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, flag) < 1.0:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be in [0, 1)")
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None:
+        pp = args.pipeline_model_parallel_size
+        if pp < 2 or args.num_layers % (pp * per_virtual) or args.num_layers == pp * per_virtual:
+            raise ArgumentError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual}: needs "
+                f"--pipeline-model-parallel-size >= 2 and --num-layers ({args.num_layers}) a "
+                f"multiple of P x it with at least 2 virtual stages (P = {pp})"
+            )
+    if not (math.isfinite(args.depth_scale) and args.depth_scale > 0):
+        raise ArgumentError(f"--depth-scale {args.depth_scale} must be a finite number > 0")
+    _check_transformer_engine(args)
+    if args.data_path is not None:
+        for prefix in _data_prefixes(args.data_path):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ArgumentError(f"--data-path: {prefix + ext} not found")
+        if args.tokenizer_model is None:
+            raise ArgumentError("--data-path needs --tokenizer-model (a Hugging Face tokenizer folder)")
+    if args.tokenizer_model is not None and not os.path.isdir(args.tokenizer_model):
+        raise ArgumentError(f"--tokenizer-model: {args.tokenizer_model} is not a directory")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load: {args.load} is not a directory")
+    if args.exit_signal_handler is None:
+        args.exit_signal_handler = args.save is not None
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project needs the wandb package (pip install wandb)")
+    for flag in ("keep_last", "async_save", "save_interval"):
+        if getattr(args, flag) and args.save is None:
+            raise ArgumentError(f"--{flag.replace('_', '-')} needs --save")
+    for flag in ("save", "log_json"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path)) or "."
+        if os.path.exists(path) and flag == "log_json" and os.path.isdir(path):
+            raise ArgumentError(f"--log-json: {path} is a directory")
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        _check_writable(f"--{flag.replace('_', '-')}", path, parent, flag == "save")
