@@ -66,6 +66,7 @@ def runs(tmp_path_factory):
     return work, {k: _finish(p) for k, p in bad.items()}, _finish(good)
 
 
+@pytest.mark.slow
 def test_cli_writes_json_and_plots(runs):
     work, _, (rc, out, err) = runs
     assert rc == 0, err[-4000:]
@@ -100,6 +101,7 @@ def test_cli_writes_json_and_plots(runs):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_input_is_one_line_error(runs, name):
     _, bad, _ = runs

@@ -18,6 +18,7 @@ BENCH = ROOT / "benchmarks" / "bench_depth_read.py"
 GPU_SCRIPTS = sorted((ROOT / "tools" / "gpu_box").glob("kernels*.sh"))
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_checked_rows(tmp_path):
     out = tmp_path / "rows.csv"
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -38,6 +39,7 @@ def test_smoke_run_writes_checked_rows(tmp_path):
     assert "% of copy bandwidth, wall time per call" in proc.stdout
 
 
+@pytest.mark.slow
 def test_keys_filter_selects_rows(tmp_path):
     """--keys runs only the named key kinds (here AttnRes, r = d) and rejects others."""
     out = tmp_path / "rows.csv"
@@ -80,6 +82,7 @@ def test_kernel_box_scripts_parse(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+@pytest.mark.slow
 def test_block_smoke_rows_are_checked(tmp_path):
     """``--block --block-updates`` on CPU: per-site and two-phase rows of one depth block,
     then the block whose partial sums are formed from sub-layer outputs (adds then merges,

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# every test runs lrattn-pretrain in a subprocess
+pytestmark = pytest.mark.slow
+
 SMALL = [
     "--seq-length", "32", "--hidden-size", "64", "--num-layers", "2", "--num-blocks", "4",
     "--ffn-hidden-size", "128", "--global-batch-size", "4", "--micro-batch-size", "2",

@@ -55,6 +55,7 @@ FRESH_PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_patch_targets_exist_upstream_in_a_fresh_process():
     """In this pytest process the names may already be patched (so trivially present);
     check them where nothing has been patched yet."""

@@ -230,6 +230,7 @@ def _dist_worker(rank, world, store, prefix, tok_dir, cache, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gpt_datasets_distributed_gloo(workdir, prefix, tok_dir, tok):
     from megatron_lrattn.data.datasets import build_gpt_datasets
 

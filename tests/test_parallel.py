@@ -243,6 +243,7 @@ def _check(reports: dict, layouts) -> None:
                 assert all(r["cache_left"] == 0 for r in rows), key
 
 
+@pytest.mark.slow
 def test_tp2_sp_pp2_and_interleaved_match_tp1pp1(tmp_path):
     """TP=2, TP=2 with sequence parallelism, PP=2 (stage boundary inside a depth block)
     and PP=2 with 2 virtual stages per rank (interleaved schedule, rank-local source
@@ -256,6 +257,7 @@ def test_tp2_sp_pp2_and_interleaved_match_tp1pp1(tmp_path):
     _check(reports, layouts)
 
 
+@pytest.mark.slow
 def test_tp2xpp2_matches_tp1pp1(tmp_path):
     """TP=2 x PP=2 on four processes."""
     layouts = [(2, 2)]
@@ -264,6 +266,7 @@ def test_tp2xpp2_matches_tp1pp1(tmp_path):
     _check(reports, layouts)
 
 
+@pytest.mark.slow
 def test_pp4_interleaved_matches_tp1pp1(tmp_path):
     """PP=4 with 2 virtual stages per rank (8 layers, one per chunk) on four processes: the
     layout of the four-GPU profile, with the rank-local source cache across 8 chunks."""
@@ -316,6 +319,7 @@ def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> list:
     return [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]
 
 
+@pytest.mark.slow
 def test_pretrain_cli_tp2_pp2_vp2_dp2_distributed_optimizer_follows_one_process(tmp_path,
                                                                               data_cache):
     """The eight-GPU layout at the tiny scale: eight processes, TP=2 x PP=2 (2 virtual stages
@@ -354,6 +358,7 @@ def data_cache(tmp_path_factory):
     return Path(env) if env else tmp_path_factory.mktemp("lrattn_cache")
 
 
+@pytest.mark.slow
 def test_pretrain_cli_tp2_and_pp2_match_one_process(tmp_path, data_cache):
     """``lrattn-pretrain`` under torchrun: TP=2 from scratch follows the 1-process losses
     (CPU initialisation is layout-independent under TP); PP=2 resumes the 1-process
@@ -378,6 +383,7 @@ def test_pretrain_cli_tp2_and_pp2_match_one_process(tmp_path, data_cache):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (pp2, ref)
 
 
+@pytest.mark.slow
 def test_pretrain_cli_interleaved_follows_one_process(tmp_path, data_cache):
     """``lrattn-pretrain`` with PP=2 and 2 virtual stages per rank, 8 micro-batches per step
     (so the interleaved schedule's steady state exchanges activations and gradients of

@@ -78,6 +78,7 @@ def test_large_files_are_checked_in_windows(tmp_path, monkeypatch):
         check_indexed_dataset(prefix, vocab_size=4096)
 
 
+@pytest.mark.slow
 def test_cli_vocabulary_mismatch_is_one_line_exit_2(tmp_path):
     from megatron_lrattn.data.default_corpus import ensure_default_data
 

@@ -134,6 +134,7 @@ def runs(tmp_path_factory, cache_dir):
     return res
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_keeps_the_previous_checkpoint_and_resumes(runs):
     w = runs["work"]
     rc, _, err = runs["kill"]
@@ -148,6 +149,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint_and_resumes(runs):
     assert not list((w / "kill").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_sigkill_leaves_latest_on_the_previous_complete_checkpoint(runs):
     # Killed after iter_0000004.tmp was complete, before its rename (recorded before the
     # resume touched anything): `latest` names the previous checkpoint.
@@ -157,6 +159,7 @@ def test_sigkill_leaves_latest_on_the_previous_complete_checkpoint(runs):
     assert runs["kill_left"] == ["iter_0000002", "iter_0000004.tmp", "latest"]
 
 
+@pytest.mark.slow
 def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(runs):
     w = runs["work"]
     rc, _, err = runs["enospc"]
@@ -169,6 +172,7 @@ def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(runs):
                   if p.name.startswith("iter_")) == ["iter_0000001"]
 
 
+@pytest.mark.slow
 def test_too_little_space_is_refused_before_training_and_touches_nothing(runs):
     w = runs["work"]
     rc, _, err = runs["nospace"]
@@ -179,6 +183,7 @@ def test_too_little_space_is_refused_before_training_and_touches_nothing(runs):
     assert _tree_digest(w / "enospc") == runs["enospc_tree"]
 
 
+@pytest.mark.slow
 def test_unwritable_save_dir_is_refused_at_startup(runs):
     rc, _, err = runs["unwritable"]
     assert rc == 2, err[-3000:]
@@ -186,6 +191,7 @@ def test_unwritable_save_dir_is_refused_at_startup(runs):
     assert last.startswith("lrattn-pretrain: error: --save: /sys is not writable"), last
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_stops_naming_iteration_and_tensor(runs):
     w = runs["work"]
     rc, _, err = runs["stop"]
@@ -198,6 +204,7 @@ def test_nonfinite_gradient_stops_naming_iteration_and_tensor(runs):
     assert not (w / "stop" / "iter_0000002").exists()
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_skip_leaves_optimizer_and_weights_untouched(runs, tmp_path):
     w = runs["work"]
     rc, _, err = runs["skip"]
@@ -226,6 +233,7 @@ def test_nonfinite_loss_skip_leaves_optimizer_and_weights_untouched(runs, tmp_pa
     assert meta[0]["scheduler"] == meta[1]["scheduler"]
 
 
+@pytest.mark.slow
 def test_deterministic_runs_give_bit_identical_losses(runs):
     w = runs["work"]
     assert runs["clean"][0] == 0, runs["clean"][2][-3000:]

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# every test runs lrattn-pretrain in subprocesses (torchrun for TP2 x PP2)
+pytestmark = pytest.mark.slow
+
 SMALL = [
     "--residual", "lr_attnres", "--key", "projected", "--rank", "8", "--num-blocks", "3",
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

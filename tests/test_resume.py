@@ -127,6 +127,7 @@ def _losses(path: Path):
     return {r["iteration"]: r["loss"] for r in _read(path, "train")}
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_with_identical_losses(runs):
     work = runs["work"]
     assert 4 <= runs["killed_at"] < ITERS, "the kill must land between iterations 4 and 8"
@@ -138,6 +139,7 @@ def test_sigkilled_run_resumes_with_identical_losses(runs):
     assert _latest(runs["kill_ckpt"]) == f"iter_{ITERS:07d}"
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(runs):
     work = runs["work"]
     assert "exit signal received: saving and exiting at iteration" in runs["term_err"]
@@ -151,6 +153,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_0(runs):
     assert {i: ref[i] for i in resumed} == resumed
 
 
+@pytest.mark.slow
 def test_async_saves_and_keep_last(runs):
     ckpt = runs["ref_ckpt"]
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == [
@@ -158,6 +161,7 @@ def test_async_saves_and_keep_last(runs):
     assert _latest(ckpt) == "iter_0000008"
 
 
+@pytest.mark.slow
 def test_global_batch_not_divisible_under_two_processes(tmp_path, cache_dir):
     proc = _torchrun(["--global-batch-size", "3"], cache_dir, tmp_path / "m.jsonl")
     rc, out, err = _finish(proc)
