@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU box, after te_carry.sh for every piece: put the Transformer Engine core wheel back
-# together and check it against the manifest te_fetch.sh wrote, compile transformer_engine_torch
-# from its sdist against the box's torch, install the three TE packages into /tmp/te_site, and
-# run one bf16 and two FP8 GEMMs (delayed and current scaling). Writes /tmp/te_env.sh (source it
-# before using TE; te_train.sh does) and $OUT/te_build.log.
-#   bash tools/gpu_box/te_build.sh          carry: .whl/te_extra (and the megatron-core wheel)
+# On the GPU box, after `run.sh te carry NN` for every piece (run it as `run.sh te build`,
+# which also checks that megatron-core sees TE): put the Transformer Engine core wheel back
+# together and check it against the manifest te_fetch.sh wrote, compile
+# transformer_engine_torch from its sdist against the box's torch, install the three TE
+# packages into /tmp/te_site, and run one bf16 and two FP8 GEMMs (delayed and current
+# scaling). Writes /tmp/te_env.sh (run.sh sources it when present) and $OUT/te_build.log.
+#   carry: .whl/te_extra (and the megatron-core wheel in .whl/)
 # Safe to rerun, e.g. after a timeout: a checked wheel is kept, the compile resumes where it
 # stopped (ninja, in-tree build in /tmp/te_src), an installed and importable TE is left alone.
 set -euo pipefail
@@ -28,7 +29,7 @@ if [ ! -f "$wheel" ] || [ "$(sha256sum "$wheel" | cut -d' ' -f1)" != "$want" ]; 
     pieces=$(awk '$2 ~ /^chunks\// {sub("chunks/", "", $2); print $2}' "$sums")
     missing=""
     for p in $pieces; do [ -f "$CHUNKS/$p" ] || missing="$missing $p"; done
-    [ -z "$missing" ] || { echo "te_build: missing pieces:$missing (te_carry.sh NN for each)"; exit 2; }
+    [ -z "$missing" ] || { echo "te_build: missing pieces:$missing (run.sh te carry NN for each)"; exit 2; }
     (cd "$CHUNKS" && cat $pieces) >"$wheel.part"
     have=$(sha256sum "$wheel.part" | cut -d' ' -f1)
     [ "$have" = "$want" ] || { echo "te_build: $core sha256 $have, manifest $want"; rm -f "$wheel.part"; exit 1; }
@@ -125,9 +126,3 @@ for recipe in (DelayedScaling(fp8_format=Format.HYBRID), Float8CurrentScaling(fp
     assert err < 0.1, err
 print("TE smoke test passed")
 PY
-if compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/lrattn_site \
-        .whl/megatron_core-*.whl
-    PYTHONPATH="$PWD:/tmp/lrattn_site:$PYTHONPATH" python3 -c \
-        "from megatron_lrattn.compat.te import require_te; require_te(); print('megatron-core sees TE')"
-fi

@@ -8,7 +8,7 @@
 #                      sdist, pydantic and build helpers (setuptools, wheel) for cp312
 #   .whl/te_chunks/NN  the core wheel in pieces of at most 55 MiB (carried one per call)
 #   .whl/te_extra/     everything but the core wheel, plus SHA256SUMS (carried with the build)
-# Then, on the box: te_carry.sh NN for every chunk, te_build.sh (see their headers).
+# Then, on the box: `run.sh te carry NN` for every chunk, `run.sh te build` (tools/gpu_box/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${TE_VERSION:-2.20.2}

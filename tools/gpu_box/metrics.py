@@ -1,0 +1,111 @@
+"""Summaries of ``lrattn-pretrain --log-json`` files for the GPU-box driver (``run.sh``).
+
+    python3 tools/gpu_box/metrics.py table FILE... [--skip N] [--json OUT]
+    python3 tools/gpu_box/metrics.py compare REF FILE...
+
+``table``: one row per run (iterations, median step time and tokens/s over the training
+rows after the first N, its ratio to the first run, mean train loss of the last 10, last
+validation loss, peak memory). ``compare``: each run's training losses against REF's at the
+iterations both have (max and mean |dloss| / loss, and whether they are bitwise equal).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+
+def _records(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(path: str, skip: int) -> dict | None:
+    """Median step time, tokens/s, losses and peak memory of one metrics file."""
+    recs = _records(path)
+    train = [r for r in recs if r["type"] == "train"]
+    if not train:
+        return None
+    valid = [r for r in recs if r["type"] == "valid"]
+    steady = train[skip:] or train
+    losses = [r["loss"] for r in train[-10:] if r.get("loss") is not None]
+    return {
+        "run": os.path.basename(path).removesuffix(".jsonl"),
+        "iterations": len(train),
+        "median_step_ms": 1000 * statistics.median(r["step_time_s"] for r in steady),
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "train_loss_last10": statistics.mean(losses) if losses else None,
+        "valid_loss": valid[-1]["loss"] if valid else None,
+        "peak_memory_gib": max((r.get("peak_memory_gib") or 0) for r in train),
+    }
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def table(paths: list, skip: int, json_out: str | None) -> None:
+    rows = []
+    for path in paths:
+        row = summarize(path, skip) if os.path.isfile(path) else None
+        if row is None:
+            print(f"{path}: missing or no training rows")
+        else:
+            rows.append(row)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if not rows:
+        return
+    ref = rows[0]["median_step_ms"]
+    width = max(len(r["run"]) for r in rows)
+    print(f"{'run':{width}s} {'iters':>5s} {'step ms':>8s} {'vs first':>8s} {'tokens/s':>10s} "
+          f"{'loss(last10)':>12s} {'valid':>7s} {'peak GiB':>8s}")
+    for r in rows:
+        print(f"{r['run']:{width}s} {r['iterations']:5d} {r['median_step_ms']:8.1f} "
+              f"{r['median_step_ms'] / ref:8.3f} {r['median_tokens_per_s']:10,.0f} "
+              f"{_fmt(r['train_loss_last10'], '12.4f')} {_fmt(r['valid_loss'], '7.4f')} "
+              f"{r['peak_memory_gib']:8.2f}")
+
+
+def _losses(path: str) -> dict:
+    return {r["iteration"]: r["loss"] for r in _records(path) if r["type"] == "train"}
+
+
+def compare(ref_path: str, paths: list) -> None:
+    ref = _losses(ref_path)
+    for path in paths:
+        got = _losses(path) if os.path.isfile(path) else {}
+        common = sorted(set(ref) & set(got))
+        name = os.path.basename(path)
+        if not common:
+            print(f"{name}: no iterations in common with {os.path.basename(ref_path)}")
+            continue
+        rel = [abs(got[i] - ref[i]) / abs(ref[i]) for i in common]
+        same = all(repr(got[i]) == repr(ref[i]) for i in common)
+        print(f"{name} vs {os.path.basename(ref_path)}: {len(common)} iterations, max |dloss|/loss "
+              f"{max(rel):.2e}, mean {sum(rel) / len(rel):.2e}{', bitwise equal' if same else ''}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table", help="one row per metrics file")
+    t.add_argument("files", nargs="+")
+    t.add_argument("--skip", type=int, default=4, help="training rows left out of the medians")
+    t.add_argument("--json", help="also write the rows here")
+    c = sub.add_parser("compare", help="training losses against a reference run")
+    c.add_argument("ref")
+    c.add_argument("files", nargs="+")
+    args = p.parse_args(argv)
+    if args.cmd == "table":
+        table(args.files, args.skip, args.json)
+    else:
+        compare(args.ref, args.files)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+#!/usr/bin/env bash
+# The GPU-box driver: one set-up, one provenance header, then a suite.
+#   GIT_SHA=<sha> bash tools/gpu_box/run.sh SUITE [ARGS...]      (from the repository root)
+# Suites (README.md beside this file gives each one's arguments and variables):
+#   tests       the tests that need CUDA (-m gpu), then the kernel tests compiled for the GPU
+#   kernels     the depth-read kernel table against peers
+#   block       the two-phase depth-block benchmark
+#   profile     lrattn-profile at a preset (arms built side by side, run alternating)
+#   train       N iterations of a preset per arm, median step times
+#   parallel    TP=2 / PP=2 loss curves against one GPU, GPU determinism (two GPUs)
+#   study       the multi-seed quality study (docs/results.md)
+#   te          Transformer Engine: te carry NN | te build | te train
+# Set-up: the wheels carried in .whl/ installed to /tmp/lrattn_site (NO_WHEEL=1 skips them),
+# the checkout on PYTHONPATH, NVLink multicast off, and a header (GPU, driver, versions, git
+# SHA, date) at the top of $OUT/log. PACK=1 writes into a scratch folder and returns $OUT/log
+# plus $OUT/results.tgz (a call brings back at most 8 files, two folders down).
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+SUITE=${1:?usage: run.sh SUITE [ARGS...] (tests kernels block profile train parallel study te)}
+shift
+if [ -n "${PACK:-}" ]; then
+    real=${OUT:-/tmp/lrattn_out} scratch=$(mktemp -d /tmp/lrattn_pack.XXXX)
+    OUT=$scratch PACK="" bash "$0" "$SUITE" "$@"
+    rc=$?
+    mkdir -p "$real"
+    [ -f "$scratch/log" ] && cp "$scratch/log" "$real/log"
+    tar czf "$real/results.tgz" -C "$scratch" .
+    echo "pack: $SUITE exited $rc; $(du -sh "$real/results.tgz" | cut -f1) packed"
+    exit $rc
+fi
+
+OUT=${OUT:-/tmp/lrattn_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export LRATTN_CACHE=${LRATTN_CACHE:-/tmp/lrattn_cache}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -z "${NO_WHEEL:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/lrattn_site .whl/*.whl || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/lrattn_site"
+fi
+[ -f /tmp/te_env.sh ] && . /tmp/te_env.sh   # written by `te build` on this machine
+NGPU=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+if [ -z "${GIT_SHA:-}" ] && [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ]; then
+    GIT_SHA=$(git rev-parse --short HEAD)$(git diff --quiet HEAD 2>/dev/null || echo -dirty)
+fi
+status=0
+
+log() { echo "$@" | tee -a "$OUT/log"; }
+# step NAME SECONDS CMD...: CMD under a time limit, its output in $OUT/log; a failure or a
+# timeout sets status=1 (the driver's exit code) and the next step still runs
+step() {
+    local name=$1 limit=$2
+    shift 2
+    log "== $name ($(date -u +%T), limit ${limit}s)"
+    if ! timeout "$limit" "$@" 2>&1 | { grep -v -i "warn" || true; } | tee -a "$OUT/log"; then
+        log "== $name FAILED or timed out"
+        status=1
+    fi
+}
+clocks() {
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv,noheader 2>&1 | sed "s/^/clocks (sm, mem, power, temp, events) $1: /" \
+        | tee -a "$OUT/log"
+}
+pytest_() { python3 -m pytest -q -p no:cacheprovider -rfE "$@"; }
+pretrain() { python3 -m megatron_lrattn.cli.pretrain --no-progress "$@"; }
+torchrun_() { python3 -m torch.distributed.run --standalone --nproc-per-node "$@"; }
+table() { python3 "$HERE/metrics.py" table "$@" | tee -a "$OUT/log"; }
+default_data() {  # the embedded corpus and tokenizer, built once per machine; prints the tokenizer
+    python3 -c "from megatron_lrattn.data.default_corpus import ensure_default_data as e; print(e().tokenizer_dir)" \
+        2>>"$OUT/data.err" || { tail "$OUT/data.err" | tee -a "$OUT/log" >&2; exit 1; }
+}
+
+# The op tests (beside the GPU-marked tests, they run whole: their CPU-sized shapes then
+# run compiled for the GPU instead of under the interpreter) and the two benchmarks.
+KERNEL_TESTS=(tests/ops)
+KERNEL_TABLE=(benchmarks/bench_kernels.py)
+BLOCK_BENCH=(benchmarks/bench_block.py)
+
+suite_tests() {  # [pytest args]
+    step "tests that need CUDA (-m gpu)" "${TESTS_S:-420}" pytest_ -m gpu tests "$@"
+    step "kernel tests, compiled for the GPU" "${TESTS_S:-420}" pytest_ -m "not gpu" \
+        "${KERNEL_TESTS[@]}" "$@"
+}
+
+suite_kernels() {  # [kernel-table args, e.g. --sources 9 --widths 2048 4096]
+    clocks before
+    step "depth-read kernel table" "${KERNELS_S:-540}" python3 "${KERNEL_TABLE[@]}" \
+        --csv "$OUT/kernels.csv" "$@"
+    clocks after
+}
+
+suite_block() {  # [block-benchmark args]
+    clocks before
+    step "two-phase depth block" "${BLOCK_S:-300}" python3 "${BLOCK_BENCH[@]}" \
+        --csv "$OUT/block.csv" "$@"
+    clocks after
+}
+
+suite_profile() {  # [lrattn-profile flags, which win over the defaults]
+    local preset=${PRESET:-1b} layout
+    local base=(--preset "$preset" --micro-batch-size "${MBS:-4}"
+                --arms "${ARMS:-standard,attnres,lr_attnres}" --warmup-steps 3 --rounds 6
+                --steps-per-round 4)
+    for layout in ${LAYOUTS:-1gpu}; do
+        local io=(--json "$OUT/profile_$layout.json" --plot "$OUT/profile_$layout.png")
+        case $layout in
+        1gpu) step "lrattn-profile, $preset, one GPU" "${PROFILE_S:-420}" \
+                  python3 -m megatron_lrattn.cli.profile "${base[@]}" "$@" "${io[@]}" ;;
+        pp2|pp2vp)
+            if [ "$NGPU" -lt 2 ]; then log "== $layout skipped: $NGPU GPU visible"; continue; fi
+            local pp=(--pipeline-model-parallel-size 2)
+            [ "$layout" = pp2vp ] && pp+=(--num-layers-per-virtual-pipeline-stage "${VPL:-4}")
+            step "lrattn-profile, $preset, $layout" "${PROFILE_S:-420}" torchrun_ 2 \
+                -m megatron_lrattn.cli.profile "${base[@]}" "${pp[@]}" "$@" "${io[@]}" ;;
+        *) log "unknown layout $layout (1gpu, pp2, pp2vp)"; status=2 ;;
+        esac
+    done
+}
+
+suite_train() {  # [ARM...]: residual[:schedule[:flag]], default standard attnres lr_attnres
+    local preset=${PRESET:-1b} iters=${ITERS:-12} arm res rest sched extra tag files=()
+    local data=()
+    if [ -n "${DATA:-}" ]; then  # DATA=1: the corpus through lrattn-preprocess, not the cache
+        local tok prefix
+        tok=$(default_data)
+        mkdir -p /tmp/lrattn_data
+        python3 -c "from megatron_lrattn.data.corpus import write_stdlib_corpus as w; w('/tmp/lrattn_data/stdlib.jsonl')"
+        step "lrattn-preprocess the standard-library corpus" 300 python3 -m \
+            megatron_lrattn.cli.preprocess --input /tmp/lrattn_data/stdlib.jsonl \
+            --output-prefix /tmp/lrattn_data/stdlib --tokenizer "$tok" --workers 8 --no-progress
+        prefix=$(ls /tmp/lrattn_data/stdlib*.bin | head -1)
+        data=(--data-path "${prefix%.bin}" --tokenizer-model "$tok" --split 90,5,5)
+    else
+        default_data >/dev/null
+    fi
+    [ $# -eq 0 ] && set -- standard attnres lr_attnres
+    # shellcheck disable=SC2206
+    local shape=(${TRAIN_ARGS---micro-batch-size 4 --global-batch-size 8})
+    for arm in "$@"; do
+        res=${arm%%:*} rest=${arm#"$res"} rest=${rest#:}
+        sched=${rest%%:*} extra=${rest#"$sched"} extra=${extra#:}
+        tag=${preset}_${res}${sched:+_$sched}${extra:+_${extra//-/}}
+        # shellcheck disable=SC2086
+        step "$preset, $arm, $iters iterations" "${TRAIN_S:-300}" pretrain --preset "$preset" \
+            --residual "$res" --depth-schedule "${sched:-auto}" $extra "${shape[@]}" \
+            "${data[@]}" --train-iters "$iters" --lr-warmup-iters 2 --eval-interval "$iters" \
+            --eval-iters 1 --log-json "$OUT/train_$tag.jsonl"
+        files+=("$OUT/train_$tag.jsonl")
+    done
+    table "${files[@]}" --skip 4
+}
+
+suite_parallel() {  # loss curves of TP=2 and PP=2 against one GPU, from one checkpoint
+    # two GPUs, or none (a CPU smoke run on gloo: NO_WHEEL=1 PRESET=tiny EXTRA=--bf16)
+    [ "$NGPU" -ne 1 ] || { log "parallel needs two GPUs (one visible)"; return 2; }
+    default_data >/dev/null
+    local ck=/tmp/lrattn_x2_ckpt layout flag g
+    # shellcheck disable=SC2206
+    local run=(--preset "${PRESET:-1b}" --micro-batch-size 2 --global-batch-size 8
+               --train-iters 21 --lr-warmup-iters 5 --eval-interval 1000 --eval-iters 2
+               --log-interval 5 --depth-schedule "${SCHEDULE:-per_site}" ${LR:+--lr "$LR"}
+               ${EXTRA:-})
+    rm -rf "$ck"
+    step "one GPU, iteration 1, saved (a fresh TP or PP run initialises other weights)" 300 \
+        env CUDA_VISIBLE_DEVICES=0 python3 -m megatron_lrattn.cli.pretrain --no-progress \
+        "${run[@]}" --exit-interval 1 --save "$ck" --log-json "$OUT/x2_init.jsonl"
+    log "== one GPU, resumed, --deterministic, on GPU 0 and GPU 1 at once"
+    for g in 0 1; do
+        CUDA_VISIBLE_DEVICES=$g pretrain "${run[@]}" --load "$ck" --deterministic \
+            --log-json "$OUT/x2_single_gpu$g.jsonl" >"$OUT/x2_single_gpu$g.out" 2>&1 &
+    done
+    wait
+    for layout in tp2 pp2; do
+        flag=--tensor-model-parallel-size; [ $layout = pp2 ] && flag=--pipeline-model-parallel-size
+        step "$layout, resumed" 400 torchrun_ 2 -m megatron_lrattn.cli.pretrain --no-progress \
+            "${run[@]}" $flag 2 --load "$ck" --log-json "$OUT/x2_$layout.jsonl"
+    done
+    step "bf16 noise floor: one GPU, resumed, micro-batch 4 (same global batch)" 300 \
+        env CUDA_VISIBLE_DEVICES=0 python3 -m megatron_lrattn.cli.pretrain --no-progress \
+        "${run[@]}" --micro-batch-size 4 --load "$ck" --log-json "$OUT/x2_single_mbs4.jsonl"
+    table "$OUT"/x2_single_gpu0.jsonl "$OUT"/x2_single_gpu1.jsonl "$OUT"/x2_single_mbs4.jsonl \
+        "$OUT"/x2_tp2.jsonl "$OUT"/x2_pp2.jsonl --skip 3
+    python3 "$HERE/metrics.py" compare "$OUT/x2_single_gpu0.jsonl" "$OUT/x2_single_gpu1.jsonl" \
+        "$OUT/x2_single_mbs4.jsonl" "$OUT/x2_tp2.jsonl" "$OUT/x2_pp2.jsonl" | tee -a "$OUT/log"
+    rm -rf "$ck"
+}
+
+suite_study() {  # four arms x SEEDS seeds of PRESET on every visible GPU at once
+    local seeds=${SEEDS:-"1 2 3"} iters=${ITERS:-500} preset=${PRESET:-study-25m}
+    local slots=$((NGPU > 0 ? NGPU : 1)) tok prefix seed arm i=0 fail=0 p
+    mkdir -p "$OUT/study" /tmp/study
+    tok=$(default_data)
+    # the box's own .py files (standard library and site-packages): the largest real text there
+    CORPUS_MB="${CORPUS_MB:-}" python3 - <<'PY' 2>&1 | tee -a "$OUT/log"
+import os
+import sysconfig
+from megatron_lrattn.data.corpus import write_stdlib_corpus
+paths = sysconfig.get_paths()
+cap = int(float(os.environ["CORPUS_MB"]) * 1e6) if os.environ.get("CORPUS_MB") else None
+for name, root in (("stdlib", paths["stdlib"]), ("site", paths["purelib"])):
+    s = write_stdlib_corpus(f"/tmp/study/{name}.jsonl", max_bytes=cap, root=root)
+    print(f"corpus {name}: {root}: {s.documents} documents, {s.num_bytes / 1e6:.1f} MB")
+PY
+    step "lrattn-preprocess the study corpus" 600 python3 -m megatron_lrattn.cli.preprocess \
+        --input /tmp/study/stdlib.jsonl /tmp/study/site.jsonl --output-prefix /tmp/study/pycode \
+        --tokenizer "$tok" --workers 24 --no-progress
+    prefix=$(ls /tmp/study/pycode*.bin | head -1); prefix=${prefix%.bin}
+    declare -A flags=(
+        [standard]="--residual standard"
+        [attnres]="--residual attnres --num-blocks 8"
+        [lr_sliced]="--residual lr_attnres --key sliced --rank 128 --num-blocks 8"
+        [lr_projected]="--residual lr_attnres --key projected --rank 32 --num-blocks 8")
+    local pids=()
+    for seed in $seeds; do
+        for arm in standard attnres lr_sliced lr_projected; do
+            local save=()
+            [ "$seed" = 1 ] && [ "$arm" != standard ] && save=(--save "/tmp/study/ckpt_$arm")
+            # shellcheck disable=SC2086
+            CUDA_VISIBLE_DEVICES=$((i % slots)) OMP_NUM_THREADS=2 pretrain --preset "$preset" \
+                ${flags[$arm]} --seed "$seed" --train-iters "$iters" --data-path "$prefix" \
+                --tokenizer-model "$tok" --split 98,2,0 "${save[@]}" \
+                --depth-schedule "${SCHEDULE:-per_site}" \
+                --log-json "$OUT/study/${arm}_seed$seed.jsonl" \
+                >"/tmp/study/${arm}_seed$seed.out" 2>&1 &
+            pids+=($!) i=$((i + 1))
+            while [ "$(jobs -rp | wc -l)" -ge $((${PER_GPU:-6} * slots)) ]; do sleep 2; done
+        done
+    done
+    for p in "${pids[@]}"; do wait "$p" || fail=$((fail + 1)); done
+    log "training done, failed runs: $fail"
+    [ "$fail" -eq 0 ] || status=1
+    for arm in attnres lr_sliced lr_projected; do
+        [ -d "/tmp/study/ckpt_$arm" ] && step "lrattn-analyze $arm (seed 1)" 300 \
+            python3 -m megatron_lrattn.cli.analyze "/tmp/study/ckpt_$arm" \
+            --out "$OUT/study/analyze_$arm" --num-batches 4 --no-progress
+    done
+    step "study report" 120 python3 tools/study_report.py "$OUT/study" --out "$OUT/study"
+}
+
+te_carry() {  # NN: keep piece NN of the TE core wheel in /tmp/te_chunks (outlives the call)
+    local n=${1:?usage: run.sh te carry NN} dst=/tmp/te_chunks want have
+    local src=.whl/te_chunks/$n sums=.whl/te_chunks/SHA256SUMS
+    [ -f "$src" ] && [ -f "$sums" ] || { log "te carry: carry $src and $sums"; return 2; }
+    want=$(awk -v f="chunks/$n" '$2 == f {print $1}' "$sums")
+    have=$(sha256sum "$src" | cut -d' ' -f1)
+    [ -n "$want" ] && [ "$want" = "$have" ] \
+        || { log "te carry: $src: sha256 $have, manifest ${want:-none}"; return 1; }
+    mkdir -p "$dst"
+    cp "$src" "$dst/$n.part" && mv "$dst/$n.part" "$dst/$n" && cp "$sums" "$dst/SHA256SUMS"
+    log "te carry: piece $n stored; $(cd "$dst" && ls | grep -cE '^[0-9]{2}$') of" \
+        "$(grep -c ' chunks/' "$sums") pieces in $dst"
+}
+
+te_train() {  # the TE tests, then PRESET for ITERS iterations per arm (ARMS)
+    [ -f /tmp/te_env.sh ] || { log "te train: run 'run.sh te build' on this machine first"; return 2; }
+    local runs=/tmp/te_runs arm files=()
+    mkdir -p "$runs"
+    default_data >/dev/null
+    [ "${TE_TESTS:-1}" != 0 ] && step "TE tests" 300 pytest_ tests/test_te_spec.py
+    # shellcheck disable=SC2206
+    local common=(--preset "${PRESET:-1b}" --residual "${RESIDUAL:-lr_attnres}"
+                  --micro-batch-size 4 --global-batch-size 8 --train-iters "${ITERS:-100}"
+                  --lr-warmup-iters 10 --eval-interval "${ITERS:-100}" --eval-iters 2
+                  --seed 1234 ${LR:+--lr "$LR"})
+    declare -A arm_flags=(
+        [local]="--transformer-impl local"
+        [te_bf16]="--transformer-impl transformer_engine"
+        [te_fp8_delayed]="--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 1024 --fp8-amax-compute-algo max"
+        [te_fp8_tensorwise]="--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise")
+    for arm in ${ARMS:-local te_bf16 te_fp8_delayed te_fp8_tensorwise}; do
+        rm -f "$runs/te_$arm.jsonl"
+        # shellcheck disable=SC2086
+        step "TE arm $arm: ${arm_flags[$arm]}" "${TRAIN_S:-300}" pretrain "${common[@]}" \
+            ${arm_flags[$arm]} --log-json "$runs/te_$arm.jsonl"
+        [ -f "$runs/te_$arm.jsonl" ] && cp "$runs/te_$arm.jsonl" "$OUT/"
+    done
+    # every arm run on this machine so far (arms split over calls share one table)
+    for arm in local te_bf16 te_fp8_delayed te_fp8_tensorwise; do
+        [ -f "$runs/te_$arm.jsonl" ] && files+=("$runs/te_$arm.jsonl")
+    done
+    [ ${#files[@]} -gt 0 ] && table "${files[@]}" --skip 10 --json "$OUT/te_train_summary.json"
+}
+
+suite_te() {  # carry NN | build | train
+    case ${1:-} in
+    carry) shift; te_carry "$@" || status=$? ;;
+    build) step "TE build (tools/gpu_box/te_build.sh)" "${BUILD_S:-580}" bash "$HERE/te_build.sh"
+           [ -f /tmp/te_env.sh ] && . /tmp/te_env.sh
+           step "megatron-core sees TE" 60 python3 -c \
+               "from megatron_lrattn.compat.te import require_te; require_te(); print('TE importable by megatron-core')" ;;
+    train) te_train ;;
+    *) log "usage: run.sh te carry NN | te build | te train"; status=2 ;;
+    esac
+}
+
+case $SUITE in
+tests|kernels|block|profile|train|parallel|study|te) ;;
+*) echo "unknown suite '$SUITE' (tests kernels block profile train parallel study te)" >&2; exit 2 ;;
+esac
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
+        || echo "no GPU visible"
+    python3 -W ignore - <<'PY'
+import importlib.metadata as md
+import sys
+parts = ["python", sys.version.split()[0]]
+for name in ("torch", "triton", "megatron-core", "transformer-engine"):
+    try:
+        parts += [name, md.version(name)]
+    except md.PackageNotFoundError:
+        parts += [name, "absent"]
+try:
+    import torch
+    parts += ["cuda", str(torch.version.cuda)]
+except ImportError:
+    pass
+print(" ".join(parts))
+PY
+    echo "git ${GIT_SHA:-unknown} date $(date -u +%FT%TZ) gpus $NGPU suite $SUITE $*"
+} 2>&1 | tee -a "$OUT/log"
+"suite_$SUITE" "$@" || { rc=$?; [ "$status" -eq 0 ] && status=$rc; }
+log "== done $(date -u +%T), status $status"
+exit "$status"
