@@ -10,8 +10,7 @@ setup(
     version="0.1.0",
     description="Low-Rank Attention Residuals (LR-AttnRes) for Megatron-core pretraining",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_lrattn", "megatron_lrattn.*"]) + ["lrattn_kernels"],
-    package_dir={"lrattn_kernels": "kernels"},
+    packages=find_packages(include=["megatron_lrattn", "megatron_lrattn.*"]),
     install_requires=[
         "megatron-core>=0.16.1,<0.20",
         "tokenizers>=0.20",

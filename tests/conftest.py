@@ -1,7 +1,7 @@
 """Shared pytest setup: Triton kernels run under the interpreter on machines without CUDA.
 
 TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before any test
-module imports ``lrattn_kernels``.
+module imports the kernels (``megatron_lrattn.ops``).
 """
 import os
 

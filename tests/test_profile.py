@@ -112,12 +112,14 @@ def test_cuda_share_counts_exact_gpu_kernel_names_only():
         return SimpleNamespace(name=name, device_type=device,
                                time_range=SimpleNamespace(elapsed_us=lambda: us))
 
-    events = [ev("_fwd_kernel", 100.0), ev("_bwd_kernel", 300.0), ev("_fwd_kernel", 50.0),
+    events = [ev("depth_read_source_tiled_fwd_kernel", 100.0),
+              ev("depth_read_source_tiled_bwd_kernel", 300.0), ev("merge_fwd_kernel", 50.0),
               ev("void pytorch_flash::flash_fwd_kernel<...>(...)", 5000.0),
-              ev("_fwd_kernel", 7000.0, DeviceType.CPU),
-              # the two-phase schedule's phase-1 passes (lrattn_kernels.multi_chunked)
-              ev("_logits_kernel", 20.0), ev("_values_kernel", 40.0), ev("_dots_kernel", 60.0),
-              ev("_coef_kernel", 1.0), ev("_dvalues_kernel", 30.0),
+              ev("merge_fwd_kernel", 7000.0, DeviceType.CPU),
+              # the two-phase schedule's phase-1 passes
+              ev("phase1_logits_kernel", 20.0), ev("phase1_values_kernel", 40.0),
+              ev("phase1_dots_kernel", 60.0), ev("phase1_coef_kernel", 1.0),
+              ev("phase1_dvalues_kernel", 30.0),
               ev("void at::native::vectorized_elementwise_kernel<4, ...>", 900.0)]
     prof = SimpleNamespace(events=lambda: events)
     pytest.importorskip("triton")

@@ -115,17 +115,16 @@ def test_two_phase_triton_kernels_match_per_site_reference(mp, key):
     _check_fused_fp32("two_phase", key)
 
 
-@pytest.mark.parametrize("impl", [0, 1], ids=["token_tiled", "source_tiled"])
+@pytest.mark.parametrize("family", ["token", "source"], ids=["token_tiled", "source_tiled"])
 @pytest.mark.parametrize("key", ["sliced", "projected"])
-def test_per_site_triton_kernels_match_reference_over_training_steps(mp, key, impl,
-                                                                   monkeypatch):
+def test_per_site_triton_kernels_match_reference_over_training_steps(mp, key, family):
     """Per-site reads through each fused kernel family in the model over three SGD steps,
     against the float64 reference path."""
     pytest.importorskip("triton")
-    import lrattn_kernels.depth_read as kdr
+    from megatron_lrattn.ops import tuning
 
-    monkeypatch.setitem(kdr.TUNE, "impl", impl)
-    _check_fused_fp32("per_site", key)
+    with tuning.override(family=family):
+        _check_fused_fp32("per_site", key)
 
 
 def test_auto_schedule_resolution_and_config_errors(mp):

@@ -4,20 +4,15 @@ that allows per SM, spills, shared memory, and how global memory is moved (16-by
 or element by element).
 
     python tools/kernel_ptx.py                         # bf16, d = 2048 and 4096, sm_90a
-    python tools/kernel_ptx.py --widths 2048 --warps 4 8 --no-align --no-prefetch
-    python tools/kernel_ptx.py --warps 4 --no-prefetch --stages 2   # Triton's pipeliner
+    python tools/kernel_ptx.py --widths 2048 --warps 4 8 --no-align
+    python tools/kernel_ptx.py --key-chunk 512 --maxnreg 0     # backward with key rows, no cap
 
 ``--no-align`` compiles without the alignment facts the host passes when every source
-pointer and row stride allows 16-byte vectors (``lrattn_kernels.depth_read._alignment``).
-``bar`` counts the barriers in the PTX (each cross-warp reduction costs one or two).
-``--no-fused-sums`` compiles the sliced-key row sums as separate reductions (TUNE
-``src_fused_sums`` = 0). ``--no-prefetch`` compiles the source loops without the hand
-pipelining (TUNE ``src_prefetch`` / ``src_bwd_prefetch`` = 0); ``--stages N`` then hands
-the source loops to Triton's pipeliner (``src_stages``), and the ``async`` column shows
-what it made of them: asynchronous copies and how many waits for all outstanding copies
-(``cp.async.wait_group 0``) they need: it reads the table entries asynchronously too and
-must wait for everything in flight before it can form the next row's address. Uses the
-``ptxas`` bundled with Triton.
+pointer and row stride allows 16-byte vectors
+(``megatron_lrattn.ops.site_read.fused.alignment``). ``bar`` counts the barriers in the PTX
+(each cross-warp reduction costs one or two); the ``async`` column counts asynchronous
+copies and waits for all outstanding copies (``cp.async.wait_group 0``). Uses the ``ptxas``
+bundled with Triton.
 """
 
 from __future__ import annotations
@@ -36,7 +31,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import lrattn_kernels.depth_read as kdr  # noqa: E402
+from megatron_lrattn.ops import tuning  # noqa: E402
+from megatron_lrattn.ops.site_read import fused, source_tiled  # noqa: E402
 
 FWD_ARGS = [("v_tab", "*i64"), ("vs_tab", "*i64"), ("k_tab", "*i64"), ("ks_tab", "*i64"),
             ("vref", "*bf16"), ("kref", "*bf16"), ("q_ptr", "*fp32"), ("out_ptr", "*bf16"),
@@ -85,19 +81,13 @@ def main():
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--no-align", action="store_true", help="without the 16-byte alignment facts")
-    ap.add_argument("--no-fused-sums", action="store_true",
-                    help="row sums as separate reductions")
-    ap.add_argument("--stages", type=int, default=1,
-                    help="Triton pipeline stages of the source loops (with --no-prefetch)")
-    ap.add_argument("--no-prefetch", action="store_true",
-                    help="source loops without the hand pipelining")
     ap.add_argument("--key-chunk", type=int, default=0, metavar="R",
-                    help="backward with the sliced keys read as rows of their own (KC, the "
-                         "kernels' default where pow2(r) < pow2(d)), r=R; without it the "
-                         "keys are read inside the rows, as for AttnRes (r = d)")
+                    help="backward with the sliced keys read as rows of their own (KC, what "
+                         "the kernels do where pow2(r) < pow2(d)), r=R; without it the keys "
+                         "are read inside the rows, as for AttnRes (r = d)")
     ap.add_argument("--maxnreg", type=int, default=None,
                     help="register cap per thread of both kernels, 0 = none (default: the "
-                         "kernels' own, SRC_MAXNREG)")
+                         "kernels' own, tuning.SOURCE_TILED_MAXNREG)")
     args = ap.parse_args()
     pa, sa = (1, 1) if args.no_align else (16, 8)
     print(f"{'kernel':>4} {'d':>5} {'warps':>5} | {'regs':>4} {'progs/SM':>8} {'spill B':>7} "
@@ -107,19 +97,18 @@ def main():
         bd = triton.next_power_of_2(d)
         for warps in args.warps:
             for name, fn, fargs, extra in (
-                    ("fwd", kdr._fwd_src_kernel, FWD_ARGS,
-                     dict(BL=kdr._src_tiles(d, 9, backward=False)[0])),
-                    ("bwd", kdr._bwd_src_kernel, BWD_ARGS,
-                     dict(BL=kdr._src_tiles(d, 9, backward=True)[0], HAS_OUT=True,
-                          KC=bool(args.key_chunk)))):
-                kc = name == "bwd" and bool(args.key_chunk)
-                cs = dict(PROJECTED=False, BD=bd,
+                    ("fwd", source_tiled.depth_read_source_tiled_fwd_kernel, FWD_ARGS, {}),
+                    ("bwd", source_tiled.depth_read_source_tiled_bwd_kernel, BWD_ARGS,
+                     dict(HAS_OUT=True, KC=bool(args.key_chunk)))):
+                bwd = name == "bwd"
+                kc = bwd and bool(args.key_chunk)
+                with tuning.override(**{f"source_tiled_{name}": {"warps": warps}}):
+                    cfg = tuning.source_tiled(d, 9, backward=bwd)
+                cs = dict(PROJECTED=False, BL=cfg.sources, BD=bd,
                           BR=triton.next_power_of_2(args.key_chunk) if kc else 1,
-                          STAGES=args.stages, PF=int(not args.no_prefetch),
-                          FS=int(not args.no_fused_sums), PA=pa, SA=sa, SK=sa if kc else 1,
-                          **extra)
+                          PA=pa, SA=sa, SK=sa if kc else 1, **extra)
                 cap = (args.maxnreg if args.maxnreg is not None else
-                       kdr._src_launch(d, warps, name == "bwd").get("maxnreg"))
+                       fused.launch_options(cfg).get("maxnreg"))
                 ptx = compile_ptx(fn, fargs, cs, warps, args.arch, cap or None)
                 regs, spill, smem = ptxas_report(ptx, args.arch)
                 progs = min(REGISTERS_PER_SM // max(1, regs * 32 * warps),

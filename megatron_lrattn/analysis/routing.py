@@ -5,8 +5,9 @@ one forward and one backward, dropout off):
 
 - Depth weights of every read site j (1..2L): ``a = softmax_i(tau <q_j, RMS(k_i)>)`` over the
   S_j sources ``[v0, B1..Bn, P?]`` the schedule gives the site. They are recomputed from the
-  sources the model reads, with the reference math of ``megatron_lrattn.ops.reference``
-  (``_logits``), by temporarily wrapping ``DepthState.read``; the training path is unchanged.
+  sources the model reads, with the reference math of ``megatron_lrattn.ops``
+  (``depth_read_logits``), by temporarily wrapping ``DepthState.read``; the training path is
+  unchanged.
   Per site: the mean weight of each source over all tokens, and the *effective number of
   sources* ``exp(H)``, ``H = -sum_i a_i log a_i``, averaged over tokens (1 = all weight on one
   source, S_j = uniform, which is what zero queries give).
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from megatron_lrattn.depth.state import DepthState
-from megatron_lrattn.ops.reference import _logits
+from megatron_lrattn.ops import depth_read_logits
 from megatron_lrattn.depth.schedule import schedule_from_config
 from megatron_lrattn.training.checkpoint import (
     META_NAME,
@@ -108,7 +109,8 @@ def depth_weights_and_entropy(state: DepthState, query: Tensor, config) -> tuple
     if keys is None:
         keys = [v[..., -r:] for v in values]
     flat = [k.detach().reshape(-1, r) for k in keys]
-    logits = _logits(flat, query.detach(), config.key_norm_eps, config.depth_scale).double()
+    logits = depth_read_logits(flat, query.detach(), config.key_norm_eps,
+                               config.depth_scale).double()
     logp = torch.log_softmax(logits, dim=0)
     weights = logp.exp()
     return weights, -(weights * logp).sum(0)

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_lrattn.ops import BACKWARD_NODES, fused_kernel_names
 from megatron_lrattn.profiling.arms import Arm, arm_args
 from megatron_lrattn.training.loop import virtual_stages
 from megatron_lrattn.training.runtime import Runtime
@@ -43,8 +44,7 @@ logger = logging.getLogger(__name__)
 DEPTH_READ_RANGE = "depth_read"
 """The ``record_function`` name around every depth read (``DepthState.read``)."""
 
-_BACKWARD_NODES = ("_DepthReadBackward", "_DepthReadTritonBackward",
-                   "_DepthReadMultiTritonBackward", "_DepthMergeTritonBackward")
+_BACKWARD_NODES = BACKWARD_NODES
 
 TOP_OPS = 12
 """How many of the profiled step's most expensive kernels/operators each arm reports."""
@@ -181,21 +181,10 @@ def timed_step(run: ArmRun, batches) -> None:
 
 
 def depth_read_kernel_names() -> List[str]:
-    """Names of the fused depth-read GPU kernels (the Triton ``@jit`` functions of
-    ``lrattn_kernels.depth_read``, and of ``depth_read_multi``, ``multi_chunked`` and
-    ``depth_merge`` (two-phase schedule), whose names end in ``kernel``); empty without
-    Triton."""
-    try:
-        import triton
-        from lrattn_kernels import depth_merge, depth_read, depth_read_multi, multi_chunked
-    except ImportError:
-        return []
-    names = set()
-    for k in (depth_read, depth_read_multi, multi_chunked, depth_merge):
-        jitted = (getattr(v, "fn", None) for v in vars(k).values()
-                  if isinstance(v, triton.runtime.jit.KernelInterface))
-        names.update(f.__name__ for f in jitted if f is not None and f.__name__.endswith("kernel"))
-    return sorted(names)
+    """Names of the fused depth-read GPU kernels (every Triton kernel of
+    ``megatron_lrattn.ops``: the per-site read and the two-phase schedule's phase 1 and
+    merges); empty without Triton."""
+    return fused_kernel_names()
 
 
 def device_kernel_times_us(prof) -> Dict[str, float]:

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from megatron_lrattn.ops.reference import _acc, _rms
+from megatron_lrattn.ops.site_read.reference import rms_keys, to_acc
 
 
 def depth_read_multi_torch(
@@ -39,10 +39,10 @@ def depth_read_multi_torch(
     if keys is None:
         keys = [v[..., -r:] for v in values]
     q = queries.to(torch.promote_types(keys[0].dtype, torch.float32))
-    logits = torch.stack([scale * (_rms(k, eps)[0] @ q.t()) for k in keys])  # [S, ..., K]
+    logits = torch.stack([scale * (rms_keys(k, eps)[0] @ q.t()) for k in keys])  # [S, ..., K]
     lse = torch.logsumexp(logits, dim=0)  # [..., K]
     probs = torch.exp(logits - lse)
-    out = sum(p.movedim(-1, 0).unsqueeze(-1) * _acc(v) for p, v in zip(probs, values))
+    out = sum(p.movedim(-1, 0).unsqueeze(-1) * to_acc(v) for p, v in zip(probs, values))
     out = out.to(values[0].dtype)  # [K, ..., d]
     lse = lse.movedim(-1, 0).float() if lse.dtype != torch.float64 else lse.movedim(-1, 0)
     return (list(out.unbind(0)) if split else out), lse
@@ -66,13 +66,13 @@ def depth_merge_torch(
         return torch.nn.functional.rms_norm(h, (h.shape[-1],), norm_weight, norm_eps)
     r = query.shape[-1]
     key = partial[..., -r:] if partial_key is None else partial_key
-    khat, _ = _rms(key, eps)
+    khat, _ = rms_keys(key, eps)
     l_p = scale * (khat @ query.to(khat.dtype))  # [...]
     lse = lse.to(l_p.dtype)
     m = torch.maximum(lse, l_p)
     w_o, w_p = torch.exp(lse - m), torch.exp(l_p - m)
     w_o, w_p, total = w_o.unsqueeze(-1), w_p.unsqueeze(-1), (w_o + w_p).unsqueeze(-1)
-    return ((w_o * _acc(out) + w_p * _acc(partial)) / total).to(partial.dtype)
+    return ((w_o * to_acc(out) + w_p * to_acc(partial)) / total).to(partial.dtype)
 
 
 def depth_merge_update_torch(

@@ -8,10 +8,11 @@ running partial sum P [T, d] (key: its last r columns, or a projected key [T, r]
 program owns ``BT`` tokens times the padded width ``BD``; forward and backward each make one
 pass over ``out`` and ``P``. The backward returns the gradients of ``out``, ``lse`` (fp32),
 ``P``, its key and the query (per-program partials reduced in a second step, no atomics).
-Optionally the merge is followed by the next sub-layer's RMSNorm (``norm_weight``): the
-kernel then writes only RMSNorm(h) * w, and its backward recomputes h from ``out`` and ``P``
-(already loaded) and returns the weight gradient the same two-stage way.
-Derivation: ``kernels/README.md``.
+Optionally P is formed from the previous partial sum and the sub-layer output in the same
+pass (``depth_merge_update_triton``), and the merge is followed by the next sub-layer's
+RMSNorm (``norm_weight``): the kernel then writes only RMSNorm(h) * w, and its backward
+recomputes h from ``out`` and ``P`` and returns the weight gradient the same two-stage way.
+Derivation: ``README.md`` beside this file.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lrattn_kernels import depth_read as _dr
-from lrattn_kernels.depth_read import _check_envelope, _rows
+from megatron_lrattn.ops import triton_utils as tu
+from megatron_lrattn.ops import tuning
+from megatron_lrattn.ops.validation import check_envelope, check_norm
 
 
 @triton.jit
@@ -57,20 +59,19 @@ def _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr, rows64, rmask, 
 
 @triton.jit
 def _rms_norm(h, w_ptr, cols, d, norm_eps, act_dtype):
-    # xhat = RMS-normalised h (h rounded to the activation dtype first, as the unfused read
-    # stores it), y = xhat * w; returns (y, xhat, 1 / rms, w), fp32
+    # y = RMS-normalised h times w, fp32 (h rounded to the activation dtype first, as the
+    # unfused read stores it)
     hr = h.to(act_dtype).to(tl.float32)
     nrstd = 1.0 / tl.sqrt(tl.sum(hr * hr, axis=1) / d + norm_eps)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-    xhat = hr * nrstd[:, None]
-    return xhat * w[None, :], xhat, nrstd, w
+    return hr * nrstd[:, None] * w[None, :]
 
 
 @triton.jit
-def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, h_ptr,
-                y_ptr, y_stride, pn_ptr, w_ptr, T, d, r, eps, scale, norm_eps,
-                PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                UPDATE: tl.constexpr, NORM: tl.constexpr):
+def merge_fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
+                     h_ptr, y_ptr, y_stride, pn_ptr, w_ptr, T, d, r, eps, scale, norm_eps,
+                     PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                     BR: tl.constexpr, UPDATE: tl.constexpr, NORM: tl.constexpr):
     # UPDATE: the partial sum is p + y, written to pn (rounded as the add would be) and merged
     # NORM: the output is RMSNorm(h) * w of the merged read h rounded to the activation dtype
     pid = tl.program_id(0)
@@ -93,27 +94,23 @@ def _fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         tl.store(pn_ptr + rows64[:, None] * d + cols[None, :], pv, mask=m2)
     h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv.to(tl.float32)
     if NORM:
-        h = _rms_norm(h, w_ptr, cols, d, norm_eps, h_ptr.dtype.element_ty)[0]
+        h = _rms_norm(h, w_ptr, cols, d, norm_eps, h_ptr.dtype.element_ty)
     tl.store(h_ptr + rows64[:, None] * d + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
-def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
-                g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
-                gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
-                PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                ADD_GP: tl.constexpr, NORM: tl.constexpr, NORM_MODE: tl.constexpr):
+def merge_bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
+                     g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
+                     gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
+                     PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                     BR: tl.constexpr, ADD_GP: tl.constexpr, NORM: tl.constexpr):
     # ADD_GP: the partial sum's own gradient (its later uses) is added to the merge's, so
     # that dp is the gradient of both summands of P = p + y
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
     # stored), g is turned into dL/dh and the weight gradient is summed per program.
-    # NORM_MODE (TUNE merge_norm_mode): 0 the norm's row sums, then the merge's (two more
-    # rounds of reductions); 2 (default) all row sums from the loaded rows alone (h not
-    # rounded), in the same round as the key's. One H200, d=2048, S=9, K=6 block with fused
-    # updates and norms, fwd+bwd GPU busy time, rows loaded after the key's reductions:
-    # 3.60 ms (mode 0), 3.50 (2); loaded before them (as now): 3.27 (2), and 2.72 instead of
-    # 2.91 ms without the norm. A former mode 1 (row sums of the rounded h in one round after
-    # the key's) took 3.64 / 3.30
+    # Every row sum of the norm comes from the loaded rows alone (h not rounded), in the
+    # same round of reductions as the key's (block fwd+bwd 3.27 ms against 3.60 ms with the
+    # norm's row sums taken first; one H200, d=2048, S=9, K=6, fused updates and norms)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BD)
@@ -136,7 +133,7 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         g = g.to(tl.float32)
         pv = pv.to(tl.float32)
         of = o.to(tl.float32)
-        if NORM and NORM_MODE == 2:
+        if NORM:
             # expanded: h = a_o out + a_p P (unrounded), so every row sum is a sum over loaded
             # rows only (<o,o>, <o,P>, <P,P>, <gw,o>, <gw,P>), independent of the key's
             # reductions; dL/dh = n gw - b h, n = 1/rms(h), b = n^3 <gw, h> / d
@@ -156,13 +153,6 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
             dot_o = nrstd * s_go - b * (a_o * s_oo + a_p * s_op)
             dot_p = nrstd * s_gp - b * (a_o * s_op + a_p * s_pp)
         else:
-            if NORM:
-                h = a_o[:, None] * of + a_p[:, None] * pv
-                _, xhat, nrstd, w = _rms_norm(h, w_ptr, cols, d, norm_eps,
-                                              p_ptr.dtype.element_ty)
-                dw += tl.sum(g * xhat, axis=0)
-                gw = g * w[None, :]
-                g = nrstd[:, None] * (gw - xhat * (tl.sum(gw * xhat, axis=1) / d)[:, None])
             dot_o = tl.sum(g * of, axis=1)
             dot_p = tl.sum(g * pv, axis=1)
         # two-source softmax: dlse = a_o a_p (<g, out> - <g, P>), dl_P = -dlse
@@ -192,32 +182,25 @@ def _bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_stride, q_
         tl.store(dw_part_ptr + pid.to(tl.int64) * d + cols, dw, mask=cols < d)
 
 
-def _tiles(d: int, r: int, T: int):
-    # 2048-element tiles, 4 warps (one H200, d=2048, S=9 block, GPU busy time: the block's
-    # fwd+bwd 2.76 ms against 3.38 ms with the earlier 4096 / 8 warps, 4 programs per SM)
-    bd = _dr.pow2(d)
-    br = max(16, _dr.pow2(r))
-    bt = max(1, min(_dr.TUNE.get("merge_tile", 2048) // bd, _dr.pow2(max(T, 1))))
-    warps = _dr.TUNE.get("merge_warps", max(4, min(16, bt * bd // 512)))
-    return bt, bd, br, warps
+KERNELS = (merge_fwd_kernel, merge_bwd_kernel)
 
 
 def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm_eps=0.0):
     T, d = partial.shape
     r = q.shape[0]
-    h = _dr._alloc((T, d), partial.dtype, partial.device)
-    pn = _dr._alloc((T, d), partial.dtype, partial.device) if update is not None else None
+    h = tu.empty((T, d), partial.dtype, partial.device)
+    pn = tu.empty((T, d), partial.dtype, partial.device) if update is not None else None
     projected = pkey is not None
     if T:
-        bt, bd, br, warps = _tiles(d, r, T)
+        cfg = tuning.merge(d, T)
         kp = pkey if projected else partial
         y = update if update is not None else partial
-        _fwd_kernel[(triton.cdiv(T, bt),)](
+        merge_fwd_kernel[(triton.cdiv(T, cfg.tokens),)](
             out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q, h,
             y, y.stride(0), pn if pn is not None else h,
             norm_w if norm_w is not None else q, T, d, r, eps, scale, norm_eps,
-            PROJECTED=projected, BT=bt, BD=bd, BR=br, UPDATE=update is not None,
-            NORM=norm_w is not None, num_warps=warps)
+            PROJECTED=projected, BT=cfg.tokens, BD=tu.pow2(d), BR=max(16, tu.pow2(r)),
+            UPDATE=update is not None, NORM=norm_w is not None, num_warps=cfg.warps)
     return h, pn
 
 
@@ -228,34 +211,27 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
     dev = partial.device
     projected = pkey is not None
     norm = norm_w is not None
-    do = _dr._alloc((T, d), out.dtype, dev)
-    dp = _dr._alloc((T, d), partial.dtype, dev)
-    dlse = _dr._alloc((T,), torch.float32, dev)
-    dkp = _dr._alloc((T, r), pkey.dtype, dev) if projected else None
+    do = tu.empty((T, d), out.dtype, dev)
+    dp = tu.empty((T, d), partial.dtype, dev)
+    dlse = tu.empty((T,), torch.float32, dev)
+    dkp = tu.empty((T, r), pkey.dtype, dev) if projected else None
     if T == 0:
         gw = torch.zeros_like(norm_w) if norm else None
         return torch.zeros_like(q), do, dlse, dp, dkp, gw
-    g = _rows(grad_h, d)
-    gp = _rows(grad_p, d) if grad_p is not None else g
-    bt, bd, br, warps = _tiles(d, r, T)
-    n_blocks = triton.cdiv(T, bt)
-    if dev.type == "cuda":
-        nprog = min(n_blocks, _dr._sm_count(dev.index) * _dr.TUNE.get("merge_ctas_per_sm", 8))
-    else:
-        nprog = min(n_blocks, 2)
-    norm_mode = int(_dr.TUNE.get("merge_norm_mode", 2))
-    if norm_mode not in (0, 2):
-        raise ValueError(f"lrattn_kernels.depth_merge: TUNE merge_norm_mode={norm_mode}, "
-                         "allowed: 0 (two rounds of row sums) or 2 (one, expanded)")
-    parts = _dr._alloc((nprog, r), torch.float32, dev)
-    w_parts = _dr._alloc((nprog, d), torch.float32, dev) if norm else parts
+    g = tu.rows(grad_h, d)
+    gp = tu.rows(grad_p, d) if grad_p is not None else g
+    cfg = tuning.merge(d, T)
+    n_blocks = triton.cdiv(T, cfg.tokens)
+    nprog = tu.programs(n_blocks, dev, cfg.programs_per_sm)
+    parts = tu.empty((nprog, r), torch.float32, dev)
+    w_parts = tu.empty((nprog, d), torch.float32, dev) if norm else parts
     kp = pkey if projected else partial
-    _bwd_kernel[(nprog,)](
+    merge_bwd_kernel[(nprog,)](
         out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q,
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
-        PROJECTED=projected, BT=bt, BD=bd, BR=br, ADD_GP=grad_p is not None, NORM=norm,
-        NORM_MODE=norm_mode, num_warps=warps)
+        PROJECTED=projected, BT=cfg.tokens, BD=tu.pow2(d), BR=max(16, tu.pow2(r)),
+        ADD_GP=grad_p is not None, NORM=norm, num_warps=cfg.warps)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw
@@ -304,18 +280,6 @@ class _DepthMergeUpdateTriton(torch.autograd.Function):
         return (gq, None, None, None, do, dlse, dp, dp, dkp, gw)
 
 
-def _check_norm(norm_weight: Optional[Tensor], norm_eps: Optional[float], d: int,
-                where: str) -> float:
-    if norm_weight is None:
-        return 0.0
-    if norm_weight.shape != (d,):
-        raise ValueError(f"{where}: norm_weight must be [d] = [{d}], got "
-                         f"{tuple(norm_weight.shape)}")
-    if norm_eps is None or not norm_eps > 0:
-        raise ValueError(f"{where}: norm_eps must be > 0 with norm_weight, got {norm_eps!r}")
-    return float(norm_eps)
-
-
 def depth_merge_triton(
     out: Tensor,
     lse: Tensor,
@@ -347,16 +311,16 @@ def depth_merge_triton(
         Tensor [..., d] in the dtype of ``partial``: h, or its RMSNorm.
 
     Raises:
-        ValueError: outside the envelope of ``depth_read_triton``, or a norm weight that is
-            not [d].
+        ValueError: outside the envelope (``validation.check_envelope``), or a norm weight
+            that is not [d].
     """
-    _check_envelope([out, partial], query, None if partial_key is None else [partial_key])
+    check_envelope([out, partial], query, None if partial_key is None else [partial_key])
     shape = partial.shape
     d, r = shape[-1], query.shape[-1]
-    neps = _check_norm(norm_weight, norm_eps, d, "depth_merge_triton")
+    neps = check_norm(norm_weight, norm_eps, partial, "depth_merge_triton")
     h = _DepthMergeTriton.apply(
-        query, eps, scale, neps, _rows(out, d), lse.reshape(-1).float().contiguous(),
-        _rows(partial, d), _rows(partial_key, r) if partial_key is not None else None,
+        query, eps, scale, neps, tu.rows(out, d), lse.reshape(-1).float().contiguous(),
+        tu.rows(partial, d), tu.rows(partial_key, r) if partial_key is not None else None,
         norm_weight.contiguous() if norm_weight is not None else None)
     return h.reshape(shape)
 
@@ -391,14 +355,14 @@ def depth_merge_update_triton(
         partial sum [..., d], both in the dtype of ``partial``; P equals
         ``partial + update`` bit for bit.
     """
-    _check_envelope([out, partial, update], query,
-                    None if partial_key is None else [partial_key])
+    check_envelope([out, partial, update], query,
+                   None if partial_key is None else [partial_key])
     shape = partial.shape
     d, r = shape[-1], query.shape[-1]
-    neps = _check_norm(norm_weight, norm_eps, d, "depth_merge_update_triton")
+    neps = check_norm(norm_weight, norm_eps, partial, "depth_merge_update_triton")
     h, pn = _DepthMergeUpdateTriton.apply(
-        query, eps, scale, neps, _rows(out, d), lse.reshape(-1).float().contiguous(),
-        _rows(partial, d), _rows(update, d),
-        _rows(partial_key, r) if partial_key is not None else None,
+        query, eps, scale, neps, tu.rows(out, d), lse.reshape(-1).float().contiguous(),
+        tu.rows(partial, d), tu.rows(update, d),
+        tu.rows(partial_key, r) if partial_key is not None else None,
         norm_weight.contiguous() if norm_weight is not None else None)
     return h.reshape(shape), pn.reshape(shape)

@@ -17,22 +17,24 @@ import torch
 from torch import Tensor
 
 
-def _acc(t: Tensor) -> Tensor:
+def to_acc(t: Tensor) -> Tensor:
     """``t`` in the accumulation dtype: fp32, or fp64 for fp64 inputs."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _rms(k: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+def rms_keys(k: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     """RMS-normalised key and its inverse RMS ([T, r] and [T, 1]) in accumulation dtype."""
-    k = _acc(k)
+    k = to_acc(k)
     rstd = torch.rsqrt(k.pow(2).mean(dim=-1, keepdim=True) + eps)
     return k * rstd, rstd
 
 
-def _logits(keys: Sequence[Tensor], query: Tensor, eps: float, scale: float) -> Tensor:
-    """[S, T] logits in accumulation dtype."""
+def depth_read_logits(keys: Sequence[Tensor], query: Tensor, eps: float,
+                      scale: float) -> Tensor:
+    """Logits ``scale <query, RMS(k_i)>`` of S keys [T, r] ([S, T], accumulation dtype):
+    the routing scores of a depth read before its softmax."""
     q = query.to(torch.promote_types(keys[0].dtype, torch.float32))
-    return torch.stack([scale * (_rms(k, eps)[0] @ q) for k in keys])
+    return torch.stack([scale * (rms_keys(k, eps)[0] @ q) for k in keys])
 
 
 class _DepthRead(torch.autograd.Function):
@@ -42,7 +44,7 @@ class _DepthRead(torch.autograd.Function):
     def forward(ctx, query, eps, scale, r, num_values, *tensors):
         values = tensors[:num_values]
         keys = tensors[num_values:] if len(tensors) > num_values else [v[:, -r:] for v in values]
-        logits = _logits(keys, query, eps, scale)
+        logits = depth_read_logits(keys, query, eps, scale)
         lse = torch.logsumexp(logits, dim=0)
         probs = torch.exp(logits - lse)
         acc_dtype = torch.promote_types(values[0].dtype, torch.float32)
@@ -60,9 +62,9 @@ class _DepthRead(torch.autograd.Function):
         values = tensors[:nv]
         projected = len(tensors) > nv
         keys = tensors[nv:] if projected else [v[:, -r:] for v in values]
-        g = _acc(grad_out)
+        g = to_acc(grad_out)
         q = query.to(torch.promote_types(keys[0].dtype, torch.float32))
-        probs = torch.exp(_logits(keys, query, eps, scale) - lse)  # [S, T]
+        probs = torch.exp(depth_read_logits(keys, query, eps, scale) - lse)  # [S, T]
         # da_i = <g, v_i>; ds_i = a_i (da_i - sum_j a_j da_j)
         da = torch.stack([(g * v).sum(-1) for v in values])
         ds = probs * (da - (probs * da).sum(0, keepdim=True))
@@ -70,7 +72,7 @@ class _DepthRead(torch.autograd.Function):
         grad_values: List[Tensor] = []
         grad_keys: List[Tensor] = []
         for i, v in enumerate(values):
-            khat, rstd = _rms(keys[i], eps)
+            khat, rstd = rms_keys(keys[i], eps)
             grad_q += scale * (ds[i] @ khat)
             dkhat = (scale * ds[i])[:, None] * q  # [T, r]
             dk = rstd * (dkhat - khat * (dkhat * khat).mean(-1, keepdim=True))

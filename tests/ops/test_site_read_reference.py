@@ -5,24 +5,18 @@ import math
 import pytest
 import torch
 
-from megatron_lrattn.ops import depth_read, depth_read_naive, depth_read_torch
+from op_checks import rel_rms
 
-# One tolerance table for the relative-RMS error of outputs and gradients.
+from megatron_lrattn.ops import depth_read, depth_read_logits, depth_read_naive, depth_read_torch
+
+# The reference backend's tolerance table for the relative-RMS error of outputs and gradients.
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 1e-2}
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
 
-def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected||_rms / ||expected||_rms, in float64."""
-    a, e = actual.double(), expected.double()
-    num = (a - e).pow(2).mean().sqrt()
-    den = e.pow(2).mean().sqrt()
-    return (num / den.clamp_min(1e-300)).item()
-
-
 def assert_close(actual, expected, dtype, what):
     assert actual.shape == expected.shape, what
-    err = rel_rms(actual, expected)
+    err = rel_rms(actual, expected, floor=1e-300)
     assert err <= TOL[dtype], f"{what}: relative RMS error {err:.3e} > {TOL[dtype]:.0e}"
 
 
@@ -309,3 +303,14 @@ def test_validation_errors():
         depth_read(v, q, [keys[0], torch.randn(4, 3), keys[2]])
     with pytest.raises(ValueError, match=r"keys\[0\] is \(5, 2\)"):
         depth_read(v, q, [torch.randn(5, 2), keys[1], keys[2]])
+
+
+def test_logits_are_the_scaled_query_dot_of_normalised_keys():
+    """``depth_read_logits`` (the routing scores before the softmax, used by the routing
+    analysis) is ``scale <q, RMS(k_i)>`` for every source, [S, T]."""
+    values, query, keys, _ = make_inputs(3, (7,), 16, 4, torch.float64, True, seed=15)
+    got = depth_read_logits(keys, query, 1e-6, 0.9)
+    want = torch.stack([0.9 * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)) @ query
+                        for k in keys])
+    assert got.shape == (3, 7)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -1,1 +1,0 @@
-"""Fused Triton kernels of megatron_lrattn, importable as ``lrattn_kernels``."""
