@@ -1,6 +1,9 @@
-"""Shared test helpers: a single-process gloo model-parallel setup and tiny model builders."""
+"""Shared test helpers: a single-process gloo model-parallel setup, tiny model builders, and
+what the tests that run the CLIs in subprocesses share (environment, free port, wait)."""
 from __future__ import annotations
 
+import os
+import socket
 import warnings
 
 import torch
@@ -75,3 +78,23 @@ def tiny_batch(seed: int = 0, vocab_size: int = VOCAB, seq_length: int = SEQ, ba
     labels = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
     pos = torch.arange(seq_length).unsqueeze(0).expand(batch, -1)
     return tokens, pos, labels
+
+
+def cli_env(cache_dir, **extra) -> dict:
+    """The environment of a CLI subprocess: this one's, with ``LRATTN_CACHE=cache_dir``,
+    warnings off, and ``extra`` (e.g. ``OMP_NUM_THREADS="1"``)."""
+    return dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore", **extra)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a torchrun or gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(proc, timeout: float = 300):
+    """Wait for a text-mode ``subprocess.Popen`` with piped output: (returncode, stdout,
+    stderr)."""
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from helpers import BATCH, SEQ, build_gpt, model_parallel_1x1, tiny_batch, tiny_config
+from helpers import (BATCH, SEQ, build_gpt, cli_env, finish, model_parallel_1x1, tiny_batch,
+                     tiny_config)
 
 SMALL = [
     "--seq-length", "32", "--hidden-size", "64", "--num-layers", "2", "--num-blocks", "3",
@@ -22,18 +23,9 @@ SMALL = [
 ]
 
 
-def _env(cache_dir):
-    return dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore")
-
-
 def _start(module, args, cache_dir, cwd):
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=_env(cache_dir),
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(cache_dir),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
 
 
 BAD = {
@@ -57,13 +49,13 @@ def runs(tmp_path_factory):
         bad[name] = _start("megatron_lrattn.cli.analyze", [*args, "--out", str(work / name)],
                            cache, work)
     ckpt = work / "ckpt"
-    rc, out, err = _finish(_start("megatron_lrattn.cli.pretrain",
+    rc, out, err = finish(_start("megatron_lrattn.cli.pretrain",
                                   [*SMALL, "--save", str(ckpt), "--cache-dir", str(cache)],
                                   cache, work))
     assert rc == 0, err[-4000:]
     good = _start("megatron_lrattn.cli.analyze",
                   [str(ckpt), "--out", str(work / "out"), "--num-batches", "2"], cache, work)
-    return work, {k: _finish(p) for k, p in bad.items()}, _finish(good)
+    return work, {k: finish(p) for k, p in bad.items()}, finish(good)
 
 
 @pytest.mark.slow

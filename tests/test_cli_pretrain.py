@@ -3,12 +3,13 @@ run with metrics and a checkpoint, resume, and refusal of a checkpoint with othe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import cli_env, finish
 
 # every test runs lrattn-pretrain in a subprocess
 pytestmark = pytest.mark.slow
@@ -25,25 +26,16 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("lrattn_cache")
 
 
-def _env(cache_dir):
-    return dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore")
-
-
 def _start(args, cache_dir, cwd):
     return subprocess.Popen(
         [sys.executable, "-m", "megatron_lrattn.cli.pretrain", *args, "--cache-dir",
          str(cache_dir)],
-        cwd=cwd, env=_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=cwd, env=cli_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
-def _finish(proc, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
 def _run(args, cache_dir, cwd):
-    return _finish(_start(args, cache_dir, cwd))
+    return finish(_start(args, cache_dir, cwd))
 
 
 def _assert_one_line_error(rc, out, err, *needles):
@@ -76,7 +68,7 @@ def test_bad_inputs_end_with_one_line_error_and_write_nothing(tmp_path, cache_di
         (tmp_path / name).mkdir()
         procs[name] = _start(full, cache_dir, tmp_path / name)
     for name, proc in procs.items():
-        rc, out, err = _finish(proc)
+        rc, out, err = finish(proc)
         _assert_one_line_error(rc, out, err, *BAD_INPUTS[name][1])
         assert not (tmp_path / name / "out").exists(), name
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == [], name
@@ -153,7 +145,7 @@ def test_load_with_other_depth_settings_fails_with_one_line_error(trained, resum
         procs[field] = (log, _start([*SMALL, *extra, "--train-iters", "10", "--load", str(ckpt),
                                      "--log-json", str(log)], cache_dir, work))
     for field, (log, proc) in procs.items():
-        rc, out, err = _finish(proc)
+        rc, out, err = finish(proc)
         _assert_one_line_error(rc, out, err, field, "other model settings")
         assert not log.exists()
     assert (ckpt / "latest").read_text().strip() == "iter_0000008"

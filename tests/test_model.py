@@ -44,7 +44,7 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reference_forward(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The whole LR-AttnRes forward in plain PyTorch, from DESIGN.md; only the attention
+    """The whole LR-AttnRes forward in plain PyTorch, from docs/design.md; only the attention
     and MLP sub-modules (and norms, head) of ``model`` are reused. Returns logits [b, s, V]."""
     cfg = model.config
     dec = model.decoder

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import cli_env, free_port
 
 MODES = {
     "standard": ["--residual", "standard"],
@@ -36,12 +37,6 @@ BASE = [
 VOCAB, SEQ, MBS, NUM_MICRO, SEED = 256, 32, 2, 4, 1234
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 1e-6  # relative RMS error of each gradient tensor (measured <= 8.2e-7)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches():
@@ -195,7 +190,7 @@ def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
 def _spawn(world: int, layouts, tmp_path) -> dict:
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, _free_port(), layouts, str(tmp_path)), nprocs=world)
+    mp.spawn(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world)
     return {r: json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world)}
 
 
@@ -307,13 +302,12 @@ def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> list:
     launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(nproc), "--master-port", str(_free_port()), "-m",
+                    str(nproc), "--master-port", str(free_port()), "-m",
                     "megatron_lrattn.cli.pretrain"]
-    env = dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore",
-               OMP_NUM_THREADS="1")
     proc = subprocess.run(launcher + CLI + extra + ["--cache-dir", str(cache_dir),
                                                     "--log-json", str(log)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=cli_env(cache_dir, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     return [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]

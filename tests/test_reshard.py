@@ -7,12 +7,13 @@ same held-out batches the saving run evaluated last.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import cli_env, free_port
 
 # every test runs lrattn-pretrain in subprocesses (torchrun for TP2 x PP2)
 pytestmark = pytest.mark.slow
@@ -26,24 +27,18 @@ SMALL = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(args, tp, pp, cache, cwd):
     launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
     if tp * pp > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(tp * pp), "--master-port", str(_free_port()), "-m",
+                    str(tp * pp), "--master-port", str(free_port()), "-m",
                     "megatron_lrattn.cli.pretrain"]
-    env = dict(os.environ, LRATTN_CACHE=str(cache), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         launcher + SMALL + ["--tensor-model-parallel-size", str(tp),
                             "--pipeline-model-parallel-size", str(pp), "--cache-dir", str(cache),
                             *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        cwd=cwd, env=cli_env(cache, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

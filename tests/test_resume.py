@@ -10,7 +10,6 @@ iteration only to make iterations slow enough that the kill lands mid-run.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from helpers import cli_env, finish
 
 ITERS = 8
 TINY = [
@@ -39,10 +40,8 @@ def _torchrun(args, cache_dir, log):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "megatron_lrattn.cli.pretrain", *TINY, *args, "--cache-dir",
            str(cache_dir), "--log-json", str(log)]
-    env = dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore",
-               OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=log.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=log.parent, env=cli_env(cache_dir, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _workers(proc):
@@ -62,11 +61,6 @@ def _latest(ckpt: Path):
         return (ckpt / "latest").read_text().strip()
     except OSError:
         return None
-
-
-def _finish(proc, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +101,7 @@ def runs(tmp_path_factory, cache_dir):
                 raise AssertionError(f"{name} run ended early: {p.stderr.read()[-3000:]}")
         time.sleep(0.01)
 
-    results = {name: _finish(p) for name, p in (("ref", ref), ("term", term))}
+    results = {name: finish(p) for name, p in (("ref", ref), ("term", term))}
     for name, (rc, _, err) in results.items():
         assert rc == 0, (name, err[-4000:])
     term_err = results["term"][2]
@@ -117,7 +111,7 @@ def runs(tmp_path_factory, cache_dir):
     resumed_term = _torchrun(["--load", str(term_ckpt), "--save", str(term_ckpt)], cache_dir,
                              work / "term_resumed.jsonl")
     for name, p in (("kill_resumed", resumed_kill), ("term_resumed", resumed_term)):
-        rc, _, err = _finish(p)
+        rc, _, err = finish(p)
         assert rc == 0, (name, err[-4000:])
     return dict(work=work, killed_at=killed_at, term_err=term_err, ref_ckpt=ref_ckpt,
                 kill_ckpt=kill_ckpt, term_ckpt=term_ckpt)
@@ -164,7 +158,7 @@ def test_async_saves_and_keep_last(runs):
 @pytest.mark.slow
 def test_global_batch_not_divisible_under_two_processes(tmp_path, cache_dir):
     proc = _torchrun(["--global-batch-size", "3"], cache_dir, tmp_path / "m.jsonl")
-    rc, out, err = _finish(proc)
+    rc, out, err = finish(proc)
     assert rc != 0
     assert ("lrattn-pretrain: error: --global-batch-size 3 is not divisible by "
             "--micro-batch-size 1 x data-parallel size 2") in err, err

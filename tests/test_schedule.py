@@ -1,4 +1,4 @@
-"""Depth schedule: block ends and the sources every read site sees (DESIGN.md)."""
+"""Depth schedule: block ends and the sources every read site sees (docs/design.md)."""
 
 import dataclasses
 import math

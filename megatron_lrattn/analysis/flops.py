@@ -3,8 +3,8 @@
 Every count is per token. The block structure comes from ``megatron_lrattn.depth.schedule``;
 nothing here re-derives which sources a read site sees.
 
-Added forward FLOPs (the paper's Appendix A, as in DESIGN.md)
--------------------------------------------------------------
+Added forward FLOPs (the paper's Appendix A; docs/design.md)
+------------------------------------------------------------
 With ``S_j`` the number of sources read at site j (j = 1..2L, every query-carrying site,
 including the read before the final norm) and ``kw`` the key width (``r`` for
 ``lr_attnres``, ``d`` for ``attnres``)::
@@ -25,8 +25,8 @@ so ``sum_j S_j = 6 * (2 + 3 + ... + 9) = 264``; ``reads = 264 * (2*64 + 2*1024) 
 ``denominator = 24 * (8*1024^2 + 6*1024*2816) = 616,562,688``; added = 0.093172% -> the
 paper's 0.0932%.
 
-Depth-read bytes per token (the wall-clock model, DESIGN.md "Speed")
---------------------------------------------------------------------
+Depth-read bytes per token (the wall-clock model; docs/design.md)
+-----------------------------------------------------------------
 A site reading S sources moves at least ``(S + 1) * d * b`` bytes in the forward (read S
 values, write one output) and ``(3S + 2) * d * b`` in forward + backward, with ``b`` bytes
 per element (2 for bf16). Sliced and AttnRes keys are views of the values and add nothing;

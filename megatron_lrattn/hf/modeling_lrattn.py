@@ -2,7 +2,7 @@
 
 This file is copied into every exported folder and loaded with ``trust_remote_code=True``:
 it imports only ``torch`` and ``transformers``. The math follows megatron_lrattn exactly
-(DESIGN.md): every sub-layer input is a depth read
+(docs/design.md): every sub-layer input is a depth read
 
     s_i = tau * <q, RMS_r(k_i)>,   a = softmax_i(s) (fp32),   x = sum_i a_i v_i
 

@@ -26,7 +26,7 @@ def _bad(field: str, value, allowed: str) -> ConfigError:
 class LRAttnResConfig(TransformerConfig):
     """``TransformerConfig`` with the residual-stream settings of (LR-)AttnRes.
 
-    The math is in DESIGN.md: every sub-layer input is a softmax over earlier depth
+    The math is in docs/design.md: every sub-layer input is a softmax over earlier depth
     sources (the embedding, completed block sums, and the running partial block sum)
     instead of the plain residual sum.
     """
