@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from op_checks import DEVICE, TOL, gpu, grad_errors, rel_rms, up  # noqa: E402
+from op_checks import DEVICE, TOL, assert_table, gpu, grad_errors, rel_rms, up  # noqa: E402
 
 from megatron_lrattn.ops import depth_read, depth_read_naive, depth_read_torch, tuning  # noqa: E402
 from megatron_lrattn.ops import triton_utils as tu  # noqa: E402
@@ -57,8 +57,7 @@ def check(T, d, r, S, dtype, projected=False, save_output=True, lead=()):
     errs = {"out": rel_rms(out, ref)}
     floor = 1e-1 * grad.double().pow(2).mean().sqrt().item()
     grad_errors(errs, names, gs, rgs, [query, *values, *(keys or [])], floor)
-    bad = {k: e for k, e in errs.items() if not e <= TOL[dtype]}
-    assert not bad, f"errors over {TOL[dtype]:.0e}: {bad}"
+    assert_table(errs, dtype)
     return errs
 
 

@@ -49,6 +49,16 @@ def _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, keycol, r, eps, 
 
 
 @triton.jit
+def _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols, rcols, rmask,
+            qk, keycol, r, eps, scale, PROJECTED: tl.constexpr):
+    # v: [BT, BD] fp32 source rows; kf: [BT, BR] projected key (v itself when sliced)
+    v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
+    kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, keycol, r, eps,
+                         scale, PROJECTED)
+    return v, kf, s, rstd
+
+
+@triton.jit
 def query_columns(q_ptr, cols, rcols, d, r, PROJECTED: tl.constexpr):
     # qk: the query laid over the key columns (zero elsewhere); keycol: key-column mask
     keycol = (cols >= d - r) & (cols < d)
@@ -76,9 +86,8 @@ def depth_read_token_tiled_fwd_kernel(v_tab, vs_tab, k_tab, ks_tab, vref, kref, 
     l = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
     for i in range(S):
-        v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-        kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk, keycol, r,
-                             eps, scale, PROJECTED)
+        v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64, m2, cols,
+                                 rcols, rmask, qk, keycol, r, eps, scale, PROJECTED)
         m_new = tl.maximum(m, s)
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
@@ -116,9 +125,9 @@ def depth_read_token_tiled_bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_t
             # values once (dv = a g, exact delta, da_i parked in fp32 scratch), then keys only
             delta = tl.zeros([BT], tl.float32)
             for i in range(S):
-                v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-                kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk,
-                                     keycol, r, eps, scale, PROJECTED)
+                v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                         m2, cols, rcols, rmask, qk, keycol, r, eps, scale,
+                                         PROJECTED)
                 a = tl.exp(s - lse)
                 da = tl.sum(g * v, axis=1)
                 delta += a * da
@@ -147,18 +156,18 @@ def depth_read_token_tiled_bwd_kernel(v_tab, vs_tab, k_tab, ks_tab, dv_tab, dk_t
             else:
                 delta = tl.zeros([BT], tl.float32)
                 for i in range(S):
-                    v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-                    kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk,
-                                         keycol, r, eps, scale, PROJECTED)
+                    v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref,
+                                             rows64, m2, cols, rcols, rmask, qk, keycol, r,
+                                             eps, scale, PROJECTED)
                     delta += tl.exp(s - lse) * tl.sum(g * v, axis=1)
             # with HAS_OUT, delta carries the output's rounding; grad_q is corrected after
             # the loop with the exact delta (dex) and ck = sum_i a_i khat_i
             dex = tl.zeros([BT], tl.float32)
             ck = tl.zeros_like(qk[None, :] * delta[:, None])
             for i in range(S):
-                v = _load_value(i, v_tab, vs_tab, vref, rows64, m2, cols)
-                kf, s, rstd = _stats(i, v, k_tab, ks_tab, kref, rows64, rcols, rmask, qk,
-                                     keycol, r, eps, scale, PROJECTED)
+                v, kf, s, rstd = _source(i, v_tab, vs_tab, k_tab, ks_tab, vref, kref, rows64,
+                                         m2, cols, rcols, rmask, qk, keycol, r, eps, scale,
+                                         PROJECTED)
                 a = tl.exp(s - lse)
                 da = tl.sum(g * v, axis=1)
                 ds = a * (da - delta)
