@@ -79,7 +79,8 @@ def checkpoints(tmp_path_factory, cache_dir):
 @pytest.fixture(scope="module")
 def megatron_models(checkpoints):
     """{mode: (TP1PP1 Megatron model loaded from the checkpoint, its state dict)}."""
-    from megatron_lrattn.hf.megatron_io import load_megatron, resolve_checkpoint
+    from megatron_lrattn.hf.megatron_io import load_megatron
+    from megatron_lrattn.training.checkpoint_io import resolve_checkpoint
     from megatron_lrattn.training.runtime import single_process_model_parallel
 
     with single_process_model_parallel():
@@ -168,7 +169,8 @@ def test_exported_logits_match_megatron(mode, megatron_models, exported):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_megatron_hf_megatron_is_bit_identical(mode, megatron_models, exported, tmp_path):
     from megatron_lrattn.hf.export import hf_to_megatron_checkpoint
-    from megatron_lrattn.hf.megatron_io import load_megatron, resolve_checkpoint
+    from megatron_lrattn.hf.megatron_io import load_megatron
+    from megatron_lrattn.training.checkpoint_io import resolve_checkpoint
     from megatron_lrattn.training.runtime import single_process_model_parallel
 
     model, sd = megatron_models[mode]

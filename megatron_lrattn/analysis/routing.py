@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -37,12 +36,6 @@ from torch import Tensor
 from megatron_lrattn.depth.state import DepthState
 from megatron_lrattn.ops import depth_read_logits
 from megatron_lrattn.depth.schedule import schedule_from_config
-from megatron_lrattn.training.checkpoint import (
-    META_NAME,
-    check_compatible,
-    latest_checkpoint,
-    read_meta,
-)
 
 STANDARD_NOTE = ("residual 'standard' has no depth reads: routing statistics (effective "
                  "sources, depth weights) do not apply; RMS and gradient norms are reported")
@@ -50,47 +43,6 @@ STANDARD_NOTE = ("residual 'standard' has no depth reads: routing statistics (ef
 
 class AnalysisError(ValueError):
     """A bad analysis input (checkpoint, dataset, option); the message says which and why."""
-
-
-def resolve_checkpoint(path: str) -> str:
-    """The checkpoint folder for ``path``: an ``iter_*`` folder holding ``lrattn.json``, or a
-    ``--save`` directory (its ``latest``). Raises ``CheckpointError`` otherwise."""
-    if os.path.isfile(os.path.join(path, META_NAME)):
-        return path
-    return latest_checkpoint(path)
-
-
-def load_model_only(path: str, models: Sequence[torch.nn.Module], config=None) -> Dict:
-    """Load only the model weights of checkpoint folder ``path`` into ``models``.
-
-    Any TP/PP layout loads (distributed checkpointing reshards); optimizer state in the
-    checkpoint is ignored.
-
-    Args:
-        path: a checkpoint folder (``iter_*``, see ``resolve_checkpoint``).
-        models: the bare (unwrapped) model chunks, in the layout ``save_checkpoint`` used
-            (one chunk, or ``model0``, ``model1``... for virtual pipeline stages).
-        config: when given, the checkpoint's model settings must match it.
-
-    Returns:
-        The checkpoint's ``lrattn.json`` contents.
-    """
-    from megatron.core import dist_checkpointing
-
-    meta = read_meta(path)
-    if config is not None:
-        check_compatible(meta, config, path)
-    if len(models) == 1:
-        sharded = {"model": models[0].sharded_state_dict()}
-    else:
-        sharded = {"model": {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}}
-    loaded = dist_checkpointing.load(sharded, path)
-    if len(models) == 1:
-        models[0].load_state_dict(loaded["model"])
-    else:
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded["model"][f"model{i}"])
-    return meta
 
 
 def depth_weights_and_entropy(state: DepthState, query: Tensor, config) -> tuple:

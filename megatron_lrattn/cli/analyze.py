@@ -155,8 +155,7 @@ def _title(config, iteration) -> str:
 def prepare(args: argparse.Namespace) -> tuple:
     """The checkpoint folder, its ``lrattn.json`` and the training arguments it records
     (imports torch, not megatron-core; raises ``CheckpointError`` / ``AnalysisError``)."""
-    from megatron_lrattn.analysis.routing import resolve_checkpoint
-    from megatron_lrattn.training.checkpoint import read_meta
+    from megatron_lrattn.training.checkpoint_io import read_meta, resolve_checkpoint
 
     path = resolve_checkpoint(args.checkpoint)
     meta = read_meta(path)
@@ -166,8 +165,9 @@ def prepare(args: argparse.Namespace) -> tuple:
 def analyze_checkpoint(args: argparse.Namespace, path: str, meta: Dict,
                        targs: argparse.Namespace) -> Dict:
     """Load the checkpoint and data and return the full report (see ``prepare``)."""
-    from megatron_lrattn.analysis.routing import analyze_model, load_model_only
+    from megatron_lrattn.analysis.routing import analyze_model
     from megatron_lrattn.training.builder import build_config, build_model, padded_vocab_size
+    from megatron_lrattn.training.checkpoint_io import load_model_only
     from megatron_lrattn.training.runtime import init_runtime, provenance
 
     mbs = args.micro_batch_size or targs.micro_batch_size
@@ -216,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from megatron_lrattn.analysis.plots import PlotsUnavailable, require_matplotlib
     from megatron_lrattn.analysis.routing import AnalysisError
-    from megatron_lrattn.training.checkpoint import CheckpointError
+    from megatron_lrattn.training.checkpoint_io import CheckpointError
 
     rc = run_cli(PROG, _parse, (AnalyzeArgumentError, AnalysisError, CheckpointError,
                                 PlotsUnavailable))

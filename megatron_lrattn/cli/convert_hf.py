@@ -26,7 +26,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError
     from megatron_lrattn.hf.convert import ConversionError
-    from megatron_lrattn.training.checkpoint import CheckpointError
+    from megatron_lrattn.training.checkpoint_io import CheckpointError
 
     args = build_parser().parse_args(argv)
 

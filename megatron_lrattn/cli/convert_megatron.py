@@ -29,7 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
     from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.hf.convert import ConversionError
-    from megatron_lrattn.training.checkpoint import CheckpointError
+    from megatron_lrattn.training.checkpoint_io import CheckpointError
 
     args = build_parser().parse_args(argv)
 

@@ -14,7 +14,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError
     from megatron_lrattn.training.arguments import ArgumentError, parse_args
-    from megatron_lrattn.training.checkpoint import CheckpointError
+    from megatron_lrattn.training.checkpoint_io import CheckpointError
 
     def _main() -> int:
         args = parse_args(argv)

@@ -66,13 +66,8 @@ def megatron_checkpoint_to_hf(checkpoint: str, out_dir: str, max_shard_size="5GB
         CheckpointError, ConversionError: one-line messages naming the problem.
     """
     from megatron_lrattn.data.tokenizer import HFTokenizer
-    from megatron_lrattn.hf.megatron_io import (
-        hf_config_from_meta,
-        load_megatron,
-        resolve_checkpoint,
-        tokenizer_dir,
-    )
-    from megatron_lrattn.training.checkpoint import read_meta
+    from megatron_lrattn.hf.megatron_io import hf_config_from_meta, load_megatron, tokenizer_dir
+    from megatron_lrattn.training.checkpoint_io import read_meta, resolve_checkpoint
     from megatron_lrattn.training.runtime import single_process_model_parallel
 
     path = resolve_checkpoint(checkpoint)

@@ -18,35 +18,17 @@ from typing import Any, Dict, Tuple
 import torch
 
 from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
-from megatron_lrattn.training.checkpoint import (
+from megatron_lrattn.training.checkpoint_io import (
     META_NAME,
     CheckpointError,
-    latest_checkpoint,
+    load_state,
     model_settings,
     read_meta,
+    single_threaded_on_cpu,
 )
 
 NORM_EPS = 1e-5
 """``layernorm_epsilon`` of every model built by ``training.builder.build_config``."""
-
-
-def resolve_checkpoint(path: str) -> str:
-    """The checkpoint folder for ``path``: a ``--save`` dir (follows ``latest``) or an
-    ``iter_N`` folder itself.
-
-    Raises:
-        CheckpointError: naming what is missing.
-    """
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: not a directory")
-    if os.path.isfile(os.path.join(path, "latest")):
-        return latest_checkpoint(path)
-    if os.path.isfile(os.path.join(path, "metadata.json")) or os.path.basename(
-            os.path.normpath(path)).startswith("iter_"):
-        if not os.path.isfile(os.path.join(path, META_NAME)):
-            raise CheckpointError(f"{path}: incomplete checkpoint ({META_NAME} missing)")
-        return path
-    raise CheckpointError(f"{path}: no 'latest' file and no checkpoint in it")
 
 
 def tokenizer_dir(args: Dict[str, Any]) -> str:
@@ -175,8 +157,7 @@ def load_megatron(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], A
             raise CheckpointError(f"{path}: {key} has shape {tuple(stored[key].global_shape)}, "
                                   f"the recorded config implies {tuple(st.global_shape)}")
     try:
-        loaded = dist_checkpointing.load({"model": sharded}, path)
-        model.load_state_dict(loaded["model"])
+        load_state(path, [model], sharded)
     except failures as e:
         raise CheckpointError(f"{path}: cannot load the model tensors ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -244,8 +225,6 @@ def save_megatron(sd: Dict[str, torch.Tensor], out_dir: str, args: argparse.Name
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_lrattn.training.checkpoint import _single_threaded_on_cpu
-
     vocab_padded = sd["embedding.word_embeddings.weight"].shape[0]
     model, config = _build_tp1(args, vocab_padded, bf16)
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -259,7 +238,7 @@ def save_megatron(sd: Dict[str, torch.Tensor], out_dir: str, args: argparse.Name
     os.makedirs(out_dir, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    with _single_threaded_on_cpu():
+    with single_threaded_on_cpu():
         dist_checkpointing.save({"model": model.sharded_state_dict()}, tmp)
     meta = {"iteration": 0, "consumed_samples": 0, "scheduler": None,
             "model_settings": model_settings(config), "args": vars(args),

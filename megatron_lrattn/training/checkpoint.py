@@ -1,4 +1,6 @@
-"""Checkpoints through ``megatron.core.dist_checkpointing`` (any TP/PP layout loads any other).
+"""Training checkpoints through ``megatron.core.dist_checkpointing`` (any TP/PP layout loads
+any other): save, prune, resume. The format and its reader are ``checkpoint_io``; the torch
+Adam repairs of the optimizer load are ``adam_state``.
 
 Layout of ``--save DIR``::
 
@@ -20,55 +22,41 @@ at the cost of an all-gather of the optimizer state). The model is always fully 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_lrattn.training import faults
+from megatron_lrattn.training.adam_state import (
+    fully_reshardable_adam_load,
+    init_empty_adam_state,
+    restore_adam_steps,
+)
+from megatron_lrattn.training.checkpoint_io import (
+    META_NAME,
+    CheckpointError,
+    check_compatible,
+    latest_checkpoint,
+    load_state,
+    model_settings,
+    model_sharded_state_dict,
+    read_meta,
+    single_threaded_on_cpu,
+)
 
-# Names as stored in lrattn.json (stable across releases) -> the config field they record.
-DEPTH_FIELDS = {"residual": "residual", "key": "key_type", "rank": "key_rank",
-                "num_blocks": "num_blocks", "num_layers": "num_layers", "hidden_size": "hidden_size"}
-META_NAME = "lrattn.json"
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 _ITER_NAME = re.compile(r"iter_\d{7}")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded; the message names the file and the problem."""
-
-
-@contextlib.contextmanager
-def _single_threaded_on_cpu():
-    """megatron's checkpoint writer forks worker processes; after a fork, a child that
-    enters an OpenMP parallel region of the parent's thread pool hangs. Writing with one
-    intra-op thread avoids that on CPU-only machines."""
-    if torch.cuda.is_available():
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def model_settings(config) -> Dict[str, Any]:
-    """The config fields a checkpoint must agree on to be loaded."""
-    return {name: getattr(config, field) for name, field in DEPTH_FIELDS.items()}
 
 
 def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, scheduler,
@@ -102,7 +90,7 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    model_sd = _model_sharded_state_dict(models)
+    model_sd = model_sharded_state_dict(models)
     state = {"model": model_sd,
              "optimizer": optimizer.sharded_state_dict(model_sd, metadata=_optim_metadata(
                  optim_sharding))}
@@ -115,7 +103,7 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
         "args": args or {},
     }
     finalize = partial(_finalize_save, save_dir, name, meta, keep_last)
-    with _single_threaded_on_cpu():
+    with single_threaded_on_cpu():
         if async_queue is None:
             try:
                 dist_checkpointing.save(state, tmp)
@@ -278,46 +266,6 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> List[str]:
     return deleted
 
 
-def _model_sharded_state_dict(models: List) -> Dict[str, Any]:
-    # Keys of the module inside DDP: DDP's sharded_state_dict adds a 'module.' prefix that
-    # its load_state_dict does not accept.
-    if len(models) == 1:
-        return models[0].module.sharded_state_dict()
-    return {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(models)}
-
-
-def latest_checkpoint(load_dir: str) -> str:
-    """Folder of the newest complete checkpoint under ``load_dir`` (raises ``CheckpointError``)."""
-    tracker = os.path.join(load_dir, "latest")
-    if not os.path.isfile(tracker):
-        raise CheckpointError(f"{tracker}: not found (no complete checkpoint in {load_dir})")
-    with open(tracker) as f:
-        name = f.read().strip()
-    path = os.path.join(load_dir, name)
-    if not os.path.isfile(os.path.join(path, META_NAME)):
-        raise CheckpointError(f"{path}: incomplete checkpoint ({META_NAME} missing)")
-    return path
-
-
-def read_meta(path: str) -> Dict[str, Any]:
-    """The ``lrattn.json`` of a checkpoint folder."""
-    try:
-        with open(os.path.join(path, META_NAME)) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{os.path.join(path, META_NAME)}: unreadable ({e})") from None
-
-
-def check_compatible(meta: Dict[str, Any], config, path: str) -> None:
-    """Refuse a checkpoint whose residual mode, key type, rank, N or shape differ."""
-    saved = meta.get("model_settings", {})
-    current = model_settings(config)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, run {v!r}" for k, v in current.items()
-             if saved.get(k) != v]
-    if diffs:
-        raise CheckpointError(f"{path} was made with other model settings ({'; '.join(diffs)})")
-
-
 def _layout_text(tp: int, pp: int, vp: Optional[int]) -> str:
     return f"TP={tp}, PP={pp}" + (f" with {vp} virtual stages per rank" if vp else "")
 
@@ -351,120 +299,22 @@ def check_optimizer_layout(meta: Dict[str, Any], config, path: str) -> None:
             "layout)")
 
 
-def _distributed_torch_adams(optimizer) -> List[Tuple[int, Any]]:
-    """``(index in the chain, optimizer)`` of every megatron ``DistributedOptimizer`` in
-    ``optimizer`` (plain or chained) that wraps a torch Adam(W): the ones whose per-parameter
-    ``step`` state megatron-core mishandles without Apex/TE."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return [(i, opt) for i, opt in enumerate(getattr(optimizer, "chained_optimizers", [optimizer]))
-            if isinstance(opt, DistributedOptimizer)
-            and isinstance(getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
-
-
-def _init_empty_adam_state(optimizer) -> None:
-    """Give a fresh torch Adam(W) inside a distributed optimizer zero moments and step 0.
-
-    Without Apex/TE, megatron's ``DistributedOptimizer.state_dict`` (called to build the
-    loading state dict) reads every parameter's ``step`` and fails before the first step.
-    The zeros are overwritten by the load; parameters are left untouched (unlike a dummy
-    optimizer step, which would apply weight decay).
-    """
-    for _, opt in _distributed_torch_adams(optimizer):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0),
-                                      "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
-
-
-@contextlib.contextmanager
-def _fully_reshardable_adam_load(optimizer, active: bool):
-    """Let megatron-core load ``fully_reshardable`` state into a torch Adam(W) (when
-    ``active``).
-
-    megatron's ``load_state_dict`` first gives every parameter's state a ``step`` (torch Adam
-    keeps one per parameter), then copies the checkpoint's per-parameter tensors into every
-    key of that state, and ``step`` is not among the tensors it read (the count lives in the
-    param groups): ``KeyError: 'step'``. For the duration, each per-parameter copy runs with
-    ``step`` held aside; ``_restore_adam_steps`` sets the saved count afterwards.
-    """
-    patched = []
-    if active:
-        for _, opt in _distributed_torch_adams(optimizer):
-            original = opt._set_main_param_and_optimizer_states
-
-            def copy_without_step(model_param, tensors, _opt=opt, _original=original):
-                group, order = _opt.model_param_group_index_map[model_param]
-                state = _opt.optimizer.state[_opt.optimizer.param_groups[group]["params"][order]]
-                step = state.pop("step", None) if "step" not in tensors else None
-                try:
-                    _original(model_param, tensors)
-                finally:
-                    if step is not None:
-                        state["step"] = step
-
-            opt._set_main_param_and_optimizer_states = copy_without_step
-            patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-
-
-def _restore_adam_steps(optimizer, loaded: Dict[str, Any]) -> None:
-    """Give every parameter of a distributed optimizer's torch Adam(W) its own ``step``
-    tensor holding the saved step count.
-
-    megatron-core's ``DistributedOptimizer`` without Apex/TE loses the count on load: the
-    bucket-space parameter state copies the template's ``step`` over the restored one, and
-    ``load_state_dict`` puts one shared ``step`` tensor into every parameter's state (which
-    torch's foreach Adam then increments once per parameter). Either way the bias
-    correction of the resumed run is wrong. The count saved in the param groups is right.
-    """
-    single = len(getattr(optimizer, "chained_optimizers", [optimizer])) == 1
-    for i, opt in _distributed_torch_adams(optimizer):
-        inner = opt.optimizer
-        saved = loaded if single else loaded[i]
-        steps = {g.get("step") for g in saved.get("optimizer", {}).get("param_groups", [])}
-        if len(steps) != 1 or None in steps:
-            continue
-        step = float(steps.pop())
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(step, dtype=state["step"].dtype,
-                                             device=state["step"].device)
-
-
 def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config) -> Dict[str, Any]:
     """Load the newest checkpoint into ``models``/``optimizer``/``scheduler``; returns its meta."""
-    from megatron.core import dist_checkpointing
-
     path = latest_checkpoint(load_dir)
     meta = read_meta(path)
     check_compatible(meta, config, path)
     check_optimizer_layout(meta, config, path)
-    model_sd = _model_sharded_state_dict(models)
-    _init_empty_adam_state(optimizer)
+    model_sd = model_sharded_state_dict(models)
+    init_empty_adam_state(optimizer)
     metadata = _optim_metadata(meta.get("optimizer_sharding", "dp_reshardable"))
-    state = {"model": model_sd,
-             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True,
-                                                       metadata=metadata)}
-    loaded = dist_checkpointing.load(state, path)
-    if len(models) == 1:
-        models[0].load_state_dict(loaded["model"])
-    else:
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded["model"][f"model{i}"])
-    with torch.no_grad(), _fully_reshardable_adam_load(
+    loaded = load_state(path, models, model_sd, optimizer=optimizer.sharded_state_dict(
+        model_sd, is_loading=True, metadata=metadata))
+    with torch.no_grad(), fully_reshardable_adam_load(
             optimizer, metadata["distrib_optim_sharding_type"] == "fully_reshardable"):
         # In fp32 the distributed optimizer's main parameters are views of the model's
         # leaf parameters; the in-place copy of the load must not be recorded by autograd.
         optimizer.load_state_dict(loaded["optimizer"])
-    _restore_adam_steps(optimizer, loaded["optimizer"])
+    restore_adam_steps(optimizer, loaded["optimizer"])
     scheduler.load_state_dict(meta["scheduler"])
     return meta
-
