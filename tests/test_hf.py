@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import cli_env, free_port
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -36,16 +37,6 @@ MODES = {
 ATOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(cache):
-    return dict(os.environ, LRATTN_CACHE=str(cache), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     from megatron_lrattn.data.default_corpus import ensure_default_data
@@ -63,13 +54,13 @@ def checkpoints(tmp_path_factory, cache_dir):
         launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
         if tp * pp > 1:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                        str(tp * pp), "--master-port", str(_free_port()), "-m",
+                        str(tp * pp), "--master-port", str(free_port()), "-m",
                         "megatron_lrattn.cli.pretrain"]
         cmd = launcher + BASE + flags + [
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--save", str(work / name), "--cache-dir", str(cache_dir)]
-        procs[name] = subprocess.Popen(cmd, cwd=work, env=_env(cache_dir), text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[name] = subprocess.Popen(cmd, cwd=work, env=cli_env(cache_dir, OMP_NUM_THREADS="1"),
+                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, (name, err[-4000:])
@@ -131,6 +122,7 @@ def _hf_from_megatron(model, config):
     return hf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_exported_logits_match_megatron(mode, megatron_models, exported):
     from transformers import AutoConfig
@@ -166,6 +158,7 @@ def test_exported_logits_match_megatron(mode, megatron_models, exported):
                     q.weight.copy_(saved[k])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_megatron_hf_megatron_is_bit_identical(mode, megatron_models, exported, tmp_path):
     from megatron_lrattn.hf.export import hf_to_megatron_checkpoint
@@ -191,6 +184,7 @@ def test_megatron_hf_megatron_is_bit_identical(mode, megatron_models, exported, 
             assert torch.equal(got, want), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_generate_with_kv_cache_equals_without(mode, exported):
     from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
@@ -238,6 +232,7 @@ print("megatron loaded:", [m for m in sys.modules if m.startswith("megatron") an
 """
 
 
+@pytest.mark.slow
 def test_loads_and_generates_without_megatron(exported, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_MODULES_CACHE=str(tmp_path / "mods"))
     proc = subprocess.run([sys.executable, "-c", NO_MEGATRON, *map(str, exported.values())],
@@ -254,6 +249,7 @@ def _cli(module, *args, cwd):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_broken_inputs_end_with_one_line_error(checkpoints, exported, tmp_path):
     src = checkpoints["sliced"]
     iter_dir = src / (src / "latest").read_text().strip()

@@ -43,6 +43,7 @@ def profiled(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.slow
 def test_every_arm_and_field_in_json(profiled):
     out, stdout = profiled
     report = json.loads((out / "p.json").read_text())
@@ -70,6 +71,7 @@ def test_every_arm_and_field_in_json(profiled):
     assert ranks == {"standard": None, "attnres": 32, "lr_attnres": 8, "lr_attnres_projected": 4}
 
 
+@pytest.mark.slow
 def test_plot_written(profiled):
     out, _ = profiled
     if importlib.util.find_spec("matplotlib") is None:
@@ -126,6 +128,7 @@ def test_cuda_share_counts_exact_gpu_kernel_names_only():
     assert depth_read_time_s(prof, on_cuda=True) == pytest.approx(601e-6)
 
 
+@pytest.mark.slow
 def test_interleaved_pipeline_two_processes(tmp_path):
     """PP=2 with 2 virtual stages per rank under torchrun (gloo): every arm runs through the
     interleaved schedule and the report records the layout."""

@@ -2,7 +2,7 @@
 messages, flags and their plumbing into the config, FP8 shape checks, the local <-> TE
 checkpoint key map on real local-spec models, the HF converter on both namings); tests that
 build TE modules skip with a reason unless TE and CUDA are present (the GPU box, after
-tools/gpu_box/te_build.sh)."""
+tools/gpu_box/run.sh te build)."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +48,7 @@ def test_te_backend_without_te_is_one_clear_error(mode, depth):
     msg = str(err.value)
     assert "Transformer Engine is not installed" in msg
     assert "pip install --no-build-isolation 'transformer_engine[pytorch]==" in msg
-    assert "te_build.sh" in msg and "--transformer-impl local" in msg
+    assert "run.sh te build" in msg and "--transformer-impl local" in msg
     assert isinstance(err.value, ImportError)
     assert not te_compat.te_available()
 
@@ -266,11 +266,11 @@ def test_hf_converter_reads_and_writes_both_namings(mode, depth):
         hf_to_megatron(hf, hcfg, naming="apex")
 
 
-# Below: Transformer Engine and CUDA needed (the GPU box after tools/gpu_box/te_build.sh).
+# Below: Transformer Engine and CUDA needed (the GPU box after tools/gpu_box/run.sh te build).
 
 def _need_te_cuda():
-    pytest.importorskip("transformer_engine.pytorch",
-                        reason="Transformer Engine is not installed (tools/gpu_box/te_build.sh)")
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not "
+                        "installed (tools/gpu_box/run.sh te build)")
     if not torch.cuda.is_available():
         pytest.skip("TE modules need CUDA")
 
@@ -290,6 +290,7 @@ def _build_cuda(cfg, backend, seed=1234):
     return model.cuda().to(torch.bfloat16)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode,depth", MODES, ids=MODE_IDS)
 def test_te_model_matches_local_model_with_the_same_weights(mode, depth):
     """Both specs save the same distributed-checkpoint keys, a local state dict loads into
@@ -316,6 +317,7 @@ def test_te_model_matches_local_model_with_the_same_weights(mode, depth):
     assert ((a - b).norm() / a.norm()).item() < 2e-2
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 @pytest.mark.parametrize("mode,depth", MODES[1:], ids=MODE_IDS[1:])
 def test_te_fp8_forward_backward_runs_and_gives_every_parameter_a_gradient(mode, depth, recipe):

@@ -108,6 +108,7 @@ def _check_fused_fp32(schedule: str, key: str):
             assert ef[n] <= 5 * eb[n] + 2e-5, (step, n, ef[n], eb[n])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["sliced", "projected"])
 def test_two_phase_triton_kernels_match_per_site_reference(mp, key):
     """The fused phase-1/phase-2 kernels against the float64 per-site reference."""
@@ -115,6 +116,7 @@ def test_two_phase_triton_kernels_match_per_site_reference(mp, key):
     _check_fused_fp32("two_phase", key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["token", "source"], ids=["token_tiled", "source_tiled"])
 @pytest.mark.parametrize("key", ["sliced", "projected"])
 def test_per_site_triton_kernels_match_reference_over_training_steps(mp, key, family):
@@ -154,7 +156,7 @@ def test_fusable_norms():
     modules (local spec) are such norms."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron_lrattn.depth.state import fusable_rmsnorm
+    from megatron_lrattn.model.norms import fusable_rmsnorm
 
     norm = torch.nn.RMSNorm(8, eps=1e-5)
     weight, eps = fusable_rmsnorm(norm)
@@ -229,6 +231,7 @@ def _pp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         json.dump(calls, f)
 
 
+@pytest.mark.slow
 def test_two_phase_under_pipeline_parallelism_matches_per_site_tp1pp1(tmp_path, monkeypatch):
     """PP=2 (the stage boundary after sub-layer 4 falls inside block 2: the second stage's
     phase 1 covers its own sites of that block only) and PP=2 x 2 virtual stages, both on the
@@ -237,7 +240,7 @@ def test_two_phase_under_pipeline_parallelism_matches_per_site_tp1pp1(tmp_path, 
 
     import test_parallel as tp
 
-    mproc.spawn(_pp_worker, args=(2, tp._free_port(), str(tmp_path)), nprocs=2)
+    mproc.spawn(_pp_worker, args=(2, tp.free_port(), str(tmp_path)), nprocs=2)
     reports = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     print(json.dumps(reports, indent=1))
     for r in range(2):
@@ -337,6 +340,7 @@ def test_two_phase_bf16_float16module_ddp_matches_per_site(mp, residual):
     _compare_bf16(run("two_phase"), run("per_site"), grad_tol=0.1, loss_tol=1e-2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused kernels at the tiny "
                     "preset's shape run on the GPU box")
 @pytest.mark.parametrize("residual,key", [("attnres", "sliced"), ("lr_attnres", "sliced"),

@@ -32,13 +32,14 @@ import re
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 TE_VERSION = "2.20.2"
-"""The TE release the GPU-box scripts fetch and build (``tools/gpu_box/te_*.sh``)."""
+"""The TE release the GPU box fetches and builds (``tools/gpu_box/te_fetch.sh``, ``run.sh te``)."""
 
 TE_INSTALL_HINT = (
     "On a CUDA machine with network: pip install --no-build-isolation "
     f"'transformer_engine[pytorch]=={TE_VERSION}' (its PyTorch extension is compiled against "
     "the installed torch), or use the NGC PyTorch container (docker/Dockerfile); on the "
-    "offline GPU box: tools/gpu_box/te_fetch.sh, te_carry.sh, te_build.sh. The local spec "
+    "offline GPU box: tools/gpu_box/te_fetch.sh, then run.sh te carry NN and run.sh te build "
+    "(tools/gpu_box/README.md). The local spec "
     "(--transformer-impl local, backend='local') needs no TE."
 )
 
