@@ -2,7 +2,7 @@
 curves, and the ordering of the arms.
 
 Reads ``<dir>/<arm>_seed<k>.jsonl`` (``lrattn-pretrain --log-json`` files, as written by
-``tools/gpu_box/quality_study.sh``) and writes ``study.json``, ``study_table.md`` and
+``tools/gpu_box/run.sh study``) and writes ``study.json``, ``study_table.md`` and
 ``study_curves.png`` to ``--out``.
 
     python tools/study_report.py benchmarks/results/study_2026-11-30 --out docs
