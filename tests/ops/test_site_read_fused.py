@@ -78,9 +78,17 @@ STRESS = {
 }
 
 
-@pytest.mark.parametrize("save_output", [True, False], ids=["saved_out", "recompute"])
+# The larger stress shapes and the recompute mode run in the full suite only: interpreted,
+# each takes seconds in the source-tiled family.
+SLOW_STRESS = ("sliced", "projected", "many_sources", "many_sources_projected",
+               "odd_d_1000_keys_in_rows")
+
+
+@pytest.mark.parametrize("save_output", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["saved_out", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(STRESS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_STRESS
+                                  else n for n in STRESS])
 def test_parity(name, dtype, save_output):
     T, d, r, S, projected = STRESS[name]
     check(T, d, r, S, dtype, projected, save_output)
@@ -118,6 +126,7 @@ def test_zero_query_is_the_mean():
     torch.testing.assert_close(out, torch.stack(values).mean(0), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_backward_is_deterministic():
     for projected in (False, True):
         values, query, keys, grad = make_inputs(37, 64, 16, 5, torch.bfloat16, projected)
@@ -188,6 +197,7 @@ def test_parity_large_bf16(name, save_output):
     check(T, d, r, S, torch.bfloat16, projected, save_output)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("projected", [False, True])
 def test_source_tiles(projected, family):
     """Source-tiled kernels at other tiles (BL = 1, 2, 4, 8 sources per step, few
@@ -203,6 +213,7 @@ def test_source_tiles(projected, family):
                 check(T, d, r, S + 5, dtype, projected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("r", [16, 64], ids=["key_rows", "keys_in_rows"])
 def test_query_gradient_with_near_identical_sources(r, family):
     """bf16 sources that differ by 1%: the saved bf16 output's rounding is then of the

@@ -196,6 +196,7 @@ def test_fused_rmsnorm_matches_the_torch_module():
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fused_rmsnorm_backward_is_deterministic():
     gen, values, _, queries = make(37, 64, 16, 3, 1, torch.bfloat16, False, seed=5)
     prev, y = randn(gen, 37, 64, dtype=torch.bfloat16), randn(gen, 37, 64, dtype=torch.bfloat16)

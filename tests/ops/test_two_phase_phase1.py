@@ -71,6 +71,7 @@ def test_zero_queries_give_the_mean_and_log_s():
     torch.testing.assert_close(lse, torch.full_like(lse, float(torch.log(torch.tensor(4.0)))))
 
 
+@pytest.mark.slow
 def test_backward_is_deterministic():
     for projected in (False, True):
         gen, values, keys, queries = make(37, 64, 16, 4, 6, torch.bfloat16, projected)
@@ -154,6 +155,7 @@ MODEL_BLOCKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny_attnres", "tiny_sliced", "study25m_projected"])
 def test_model_block_pattern_bf16_small(name):
     """CPU-sized version of the model blocks (interpreter): more than one phase-1 program of
