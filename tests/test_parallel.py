@@ -218,7 +218,7 @@ def _check(reports: dict, layouts) -> None:
             if "vp2" in layout and "L8" in layout and mode != "standard":
                 # PP=4, 8 chunks of one layer: each chunk receives what hop_payloads says
                 # is new to its rank (the payload formula), and the cache ends empty.
-                from megatron_lrattn.depth.pipeline import hop_payloads
+                from megatron_lrattn.depth.payload import hop_payloads
                 from megatron_lrattn.depth.schedule import depth_schedule
 
                 hops = hop_payloads(depth_schedule(8, 3),

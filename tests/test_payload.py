@@ -6,13 +6,13 @@ import logging
 import pytest
 import torch
 
-from megatron_lrattn.depth.pipeline import (
-    chunk_ends_from_config,
+from megatron_lrattn.depth.payload import (
     format_payload_table,
     hop_payloads,
     log_pipeline_payloads,
     stage_boundary_warnings,
 )
+from megatron_lrattn.depth.pipeline import chunk_ends_from_config
 from megatron_lrattn.depth.schedule import depth_schedule
 
 MIB = 1024 * 1024
@@ -118,7 +118,7 @@ def test_chunk_ends_follow_megatron_interleaving():
 
 def test_log_pipeline_payloads(caplog):
     cfg = _config(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    with caplog.at_level(logging.INFO, logger="megatron_lrattn.depth.pipeline"):
+    with caplog.at_level(logging.INFO, logger="megatron_lrattn.depth.payload"):
         hops = log_pipeline_payloads(cfg, seq_length=32, micro_batch_size=1)
     assert [len(h.new_sources) for h in hops] == [3, 2, 2]
     assert hops[0].bytes_per_source == 32 * 1 * 64 * 2

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from megatron_lrattn.depth.state import DepthState
-from megatron_lrattn.depth.pipeline import pack_state, packed_num_sources, unpack_state
 from megatron_lrattn.depth.schedule import depth_schedule
 
 S_LEN, B, D, R = 3, 2, 8, 3
@@ -55,10 +54,10 @@ def test_round_trip_every_boundary(L, N, projected):
                                                               seed=boundary)
         site = sched.state_after(boundary)
         seen_partial.add(site.partial is not None)
-        n_src = packed_num_sources(sched, boundary)
+        n_src = sched.state_after(boundary).num_sources
         assert n_src == site.num_sources
 
-        packed = pack_state(state)
+        packed = state.pack()
         w = D + R if projected else D
         assert packed.shape == (n_src * S_LEN, B, w)
         assert packed.is_contiguous()
@@ -67,7 +66,7 @@ def test_round_trip_every_boundary(L, N, projected):
         for v in values:
             assert packed.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
 
-        back = unpack_state(packed, sched, boundary, D, projected)
+        back = DepthState.unpack(packed, sched, boundary, D, projected)
         assert back.num_sublayers_done == boundary
         assert back.projected == projected
         assert len(back.blocks) == site.num_completed
@@ -97,7 +96,7 @@ def test_round_trip_every_boundary(L, N, projected):
                                           (3, 6, 5), (4, 8, 8), (4, 3, 5)])
 def test_gradients_flow_to_every_source(L, N, boundary, projected):
     sched, state, emb, emb_key, outs, keys = _build_state(L, N, boundary, projected, seed=7)
-    back = unpack_state(pack_state(state), sched, boundary, D, projected)
+    back = DepthState.unpack(state.pack(), sched, boundary, D, projected)
     values, ks = back.sources()
     g = torch.Generator().manual_seed(99)
     wv = [torch.randn(v.shape, generator=g) for v in values]
@@ -123,12 +122,12 @@ def test_unpack_refuses_a_wrong_row_count():
     sched = depth_schedule(2, 2)
     packed = torch.zeros(5, B, D)  # after sub-layer 3: 3 sources
     with pytest.raises(ValueError, match="3 sources"):
-        unpack_state(packed, sched, 3, D, False)
+        DepthState.unpack(packed, sched, 3, D, False)
 
 
 def test_paper_example_boundary_sizes():
     sched = depth_schedule(24, 8)
-    assert packed_num_sources(sched, 0) == 1
-    assert packed_num_sources(sched, 6) == 2  # [v0, B1]
-    assert packed_num_sources(sched, 7) == 3  # [v0, B1, P]
-    assert packed_num_sources(sched, 48) == 9
+    assert sched.state_after(0).num_sources == 1
+    assert sched.state_after(6).num_sources == 2  # [v0, B1]
+    assert sched.state_after(7).num_sources == 3  # [v0, B1, P]
+    assert sched.state_after(48).num_sources == 9

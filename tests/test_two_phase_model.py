@@ -156,7 +156,7 @@ def test_fusable_norms():
     modules (local spec) are such norms."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron_lrattn.depth.state import fusable_rmsnorm
+    from megatron_lrattn.model.norms import fusable_rmsnorm
 
     norm = torch.nn.RMSNorm(8, eps=1e-5)
     weight, eps = fusable_rmsnorm(norm)

@@ -1,2 +1,3 @@
-"""The depth mechanism: schedule of read sites, the per-microbatch source state, its pipeline
-wire format and the rank-local stage cache. Depends on ``megatron_lrattn.ops`` only."""
+"""The depth mechanism: schedule of read sites, the per-microbatch source state with its wire
+format, pipeline stage shapes, the rank-local stage cache and the per-hop payload report.
+Depends on ``megatron_lrattn.ops`` only."""

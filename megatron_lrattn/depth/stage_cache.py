@@ -4,7 +4,7 @@ With V model chunks per pipeline rank, chunk c = v * P + p runs on rank p and re
 the depth state after the previous chunk. A rank has already seen most of that state in
 its own previous chunk c - P (the embedding and completed blocks never change), so a hop
 carries only the sources the receiving rank has not seen (Kimi's cross-stage caching;
-``pipeline.hop_payloads`` counts them), and the receiving chunk takes the others from a
+``payload.hop_payloads`` counts them), and the receiving chunk takes the others from a
 rank-local ``StageCache``.
 
 Gradients: chunk c + P uses a cached source through a detached leaf, so its backward
@@ -26,6 +26,8 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from megatron_lrattn.depth.payload import hop_payloads
 
 
 class StageCache:
@@ -99,9 +101,7 @@ class ChunkPlan:
 
 
 def chunk_plan(schedule, chunk_ends: Sequence[int], pp_size: int, chunk: int) -> ChunkPlan:
-    """``ChunkPlan`` of chunk ``chunk`` from the layer split (see ``pipeline.hop_payloads``)."""
-    from megatron_lrattn.depth.pipeline import hop_payloads
-
+    """``ChunkPlan`` of chunk ``chunk`` from the layer split (see ``payload.hop_payloads``)."""
     hops = hop_payloads(schedule, chunk_ends, pp_size, seq_rows=1, micro_batch_size=1,
                         width=1, bytes_per_element=1)
     recv = hops[chunk - 1] if chunk > 0 else None

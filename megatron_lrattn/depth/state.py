@@ -1,13 +1,20 @@
-"""Per-microbatch cache of depth sources, owned by the transformer block."""
+"""Per-microbatch cache of depth sources, owned by the transformer block, and its wire format.
+
+A pipeline stage boundary after sub-layer j carries the state's sources [v_0, B_1..B_n, P?]
+(those of read site j, from the depth schedule) concatenated along the sequence dimension
+into one view-free tensor [(S * s), b, w] with w = d, or d + r when keys are projected (each
+source then travels as [value | key]): ``DepthState.pack`` / ``DepthState.unpack``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from megatron_lrattn.depth.schedule import DepthSchedule
 from megatron_lrattn.ops import (
     depth_merge,
     depth_merge_update,
@@ -45,26 +52,6 @@ def uses_two_phase(config, device: Optional[torch.device] = None) -> bool:
     if config.num_blocks >= 2 * config.num_layers:
         return False
     return getattr(config, "depth_backend", "auto") in ("auto", "triton") and triton_available()
-
-
-def apply_norm(norm, x: Tensor) -> Tensor:
-    """Apply a PreNorm module; newer megatron-core norms built for a residual return
-    (out, residual)."""
-    out = norm(x)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def fusable_rmsnorm(norm) -> Optional[Tuple[Tensor, Optional[float]]]:
-    """(weight, eps) of a PreNorm a two-phase merge can apply itself, else None.
-
-    Only ``torch.nn.RMSNorm`` with a weight (the local spec's norm) qualifies; its ``eps``
-    may be None (then the input dtype's machine epsilon, as the module uses). LayerNorm, TE
-    norms and the ``IdentityOp`` left where TE fuses the norm into the next linear do not.
-    """
-    if type(norm) is torch.nn.RMSNorm and norm.weight is not None \
-            and len(norm.normalized_shape) == 1:
-        return norm.weight, norm.eps
-    return None
 
 
 @dataclass
@@ -162,6 +149,69 @@ class DepthState:
             keys.append(self.partial_key)
         return values, keys
 
+    def parts(self) -> List[Tensor]:
+        """The sources in label order as they cross a stage boundary, each [s, b, w]
+        ([value | key] when keys are projected)."""
+        values, keys = self.sources()
+        if keys is not None:
+            values = [torch.cat([v, k.to(v.dtype)], dim=-1) for v, k in zip(values, keys)]
+        return values
+
+    def pack(self) -> Tensor:
+        """The ``parts()`` concatenated along dim 0 into one new tensor [(S * s), b, w]."""
+        return torch.cat(self.parts(), dim=0)
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[Tensor], schedule: DepthSchedule, sublayers_done: int,
+                   hidden_size: int, projected: bool) -> "DepthState":
+        """The state after ``sublayers_done`` sub-layers from its ``parts()``.
+
+        Args:
+            parts: the sources in label order, each [s, b, w].
+            schedule: the model's ``DepthSchedule``; it says which parts are completed
+                blocks and whether the last one is a partial sum.
+            sublayers_done: boundary position j (0..2L).
+            hidden_size: d; with ``projected`` the last w - d columns of a part are its key.
+            projected: whether the parts carry projected keys.
+        """
+        site = schedule.state_after(sublayers_done)
+        parts = list(parts)
+        keys = None
+        if projected:
+            keys = [p[..., hidden_size:] for p in parts]
+            parts = [p[..., :hidden_size] for p in parts]
+        n = site.num_completed
+        return cls(
+            embedding=parts[0],
+            embedding_key=keys[0] if keys else None,
+            blocks=parts[1 : 1 + n],
+            block_keys=keys[1 : 1 + n] if keys else [],
+            partial=parts[1 + n] if site.partial is not None else None,
+            partial_key=keys[1 + n] if keys and site.partial is not None else None,
+            num_sublayers_done=sublayers_done,
+        )
+
+    @classmethod
+    def unpack(cls, packed: Tensor, schedule: DepthSchedule, sublayers_done: int,
+               hidden_size: int, projected: bool) -> "DepthState":
+        """Inverse of ``pack`` for the boundary after ``sublayers_done`` sub-layers.
+
+        Args:
+            packed: [(S * s), b, w] with S the number of sources the schedule gives that
+                boundary; the others as for ``from_parts``.
+
+        Raises:
+            ValueError: the rows of ``packed`` are not a multiple of S.
+        """
+        n_src = schedule.state_after(sublayers_done).num_sources
+        if packed.shape[0] % n_src:
+            raise ValueError(
+                f"packed depth state has {packed.shape[0]} rows, not a multiple of the "
+                f"{n_src} sources expected after sub-layer {sublayers_done}"
+            )
+        return cls.from_parts(packed.chunk(n_src, dim=0), schedule, sublayers_done,
+                              hidden_size, projected)
+
     def read(self, query: Tensor, config, site: Optional[int] = None) -> Tensor:
         """Depth read of the current sources with ``query`` ([r], fp32).
 
@@ -189,19 +239,25 @@ class DepthState:
                 backend=config.depth_backend,
             )
 
-    def read_normed(self, query: Tensor, config, site: int, norm) -> Tensor:
+    def read_normed(self, query: Tensor, config, site: int, norm: Callable[[Tensor], Tensor],
+                    rmsnorm: Optional[Tuple[Tensor, Optional[float]]] = None) -> Tensor:
         """The next sub-layer's input: ``norm(read(query, config, site))``.
 
-        With the two-phase schedule, a read that merges the partial sum applies the norm
-        inside the merge when ``config.fuse_depth_norm`` and ``norm`` is a
-        ``torch.nn.RMSNorm`` (``fusable_rmsnorm``); otherwise the norm module runs on the
+        Args:
+            query, config, site: as for ``read``.
+            norm: the next sub-layer's PreNorm.
+            rmsnorm: (weight, eps) of ``norm`` when it is an RMSNorm that a merge can apply
+                itself (the layer's ``model.norms.fusable_rmsnorm``), else None.
+
+        With the two-phase schedule, a read that merges the partial sum applies ``rmsnorm``
+        inside the merge when ``config.fuse_depth_norm``; otherwise ``norm`` runs on the
         read.
         """
-        fused = fusable_rmsnorm(norm) if config.fuse_depth_norm else None
-        if fused is not None and self._schedule is not None and self.partial is not None:
+        if rmsnorm is not None and config.fuse_depth_norm and self._schedule is not None \
+                and self.partial is not None:
             with torch.profiler.record_function("depth_read"):
-                return self._read_two_phase(query, config, site, fused)
-        return apply_norm(norm, self.read(query, config, site=site))
+                return self._read_two_phase(query, config, site, rmsnorm)
+        return norm(self.read(query, config, site=site))
 
     def _read_two_phase(self, query: Tensor, config, site: int, norm=None) -> Tensor:
         n = len(self.blocks)

@@ -8,18 +8,11 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
 
-from megatron_lrattn.depth.state import DepthState, rms_normalize, uses_two_phase
-from megatron_lrattn.model.layer import DepthQuery
-from megatron_lrattn.depth.pipeline import (
-    chunk_ends_from_config,
-    pack_state,
-    packed_num_sources,
-    state_from_sources,
-    state_sources,
-    unpack_state,
-)
+from megatron_lrattn.depth.pipeline import chunk_ends_from_config
 from megatron_lrattn.depth.schedule import schedule_from_config
 from megatron_lrattn.depth.stage_cache import StageCache, assemble_input, chunk_plan, pack_output
+from megatron_lrattn.depth.state import DepthState, rms_normalize, uses_two_phase
+from megatron_lrattn.model.layer import DepthQuery
 
 
 class LRAttnResBlock(TransformerBlock):
@@ -91,7 +84,7 @@ class LRAttnResBlock(TransformerBlock):
         if self.chunk_plan is not None:
             n_src = len(self.chunk_plan.received)
         else:
-            n_src = packed_num_sources(self.schedule, self._sublayers_before)
+            n_src = self.schedule.state_after(self._sublayers_before).num_sources
         self.input_tensor = input_tensor[: input_tensor.shape[0] // n_src]
 
     def _query(self, site: int) -> Tensor:
@@ -103,19 +96,18 @@ class LRAttnResBlock(TransformerBlock):
             if self.embedding_key_proj is not None:
                 key = rms_normalize(self.embedding_key_proj(hidden_states), self.config.key_norm_eps)
             return DepthState(embedding=hidden_states, embedding_key=key)
+        wire = (self.schedule, self._sublayers_before, self.config.hidden_size,
+                self.config.projected_keys)
         if self.chunk_plan is not None:
-            plan = self.chunk_plan
-            received = list(self.packed_input.chunk(len(plan.received), dim=0))
-            return state_from_sources(assemble_input(plan, received, self.stage_cache),
-                                      self.schedule, self._sublayers_before,
-                                      self.config.hidden_size, self.config.projected_keys)
-        return unpack_state(
-            self.packed_input,
-            self.schedule,
-            self._sublayers_before,
-            self.config.hidden_size,
-            self.config.projected_keys,
-        )
+            received = self.packed_input.chunk(len(self.chunk_plan.received), dim=0)
+            return DepthState.from_parts(assemble_input(self.chunk_plan, received,
+                                                        self.stage_cache), *wire)
+        return DepthState.unpack(self.packed_input, *wire)
+
+    def _pack(self, state: DepthState) -> Tensor:
+        if self.chunk_plan is not None:
+            return pack_output(self.chunk_plan, state.parts(), self.stage_cache)
+        return state.pack()
 
     def forward(
         self,
@@ -140,7 +132,7 @@ class LRAttnResBlock(TransformerBlock):
 
         Returns:
             The final-normed read of site 2L [s, b, d] on the last stage, otherwise the
-            packed depth state (see ``megatron_lrattn.depth.pipeline``).
+            packed depth state (``DepthState.pack``).
         """
         unsupported = {
             "context": context,
@@ -173,11 +165,8 @@ class LRAttnResBlock(TransformerBlock):
                 packed_seq_params=packed_seq_params,
             )
         if not self.post_process:
-            if self.chunk_plan is not None:
-                packed = pack_output(self.chunk_plan, state_sources(state), self.stage_cache)
-            else:
-                packed = pack_state(state)
-            return make_viewless_tensor(inp=packed, requires_grad=True, keep_graph=True)
+            return make_viewless_tensor(inp=self._pack(state), requires_grad=True,
+                                        keep_graph=True)
         out = state.read(self._query(self.schedule.num_sites), self.config,
                          site=self.schedule.num_sites)
         if self.final_layernorm is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor, nn
 
-from megatron_lrattn.depth.state import DepthState, apply_norm, rms_normalize
 from megatron_lrattn.depth.schedule import schedule_from_config
+from megatron_lrattn.depth.state import DepthState, rms_normalize
+from megatron_lrattn.model.norms import apply_norm, fusable_rmsnorm
 
 
 class DepthQuery(nn.Module):
@@ -74,6 +76,11 @@ class LRAttnResLayer(TransformerLayer):
         value, key = out.split([d, out.shape[-1] - d], dim=-1)
         return value.contiguous(), rms_normalize(key, self.config.key_norm_eps)
 
+    def _read_input(self, depth_state: DepthState, query: Tensor, site: int, norm) -> Tensor:
+        # a weighted torch RMSNorm can be applied inside a two-phase merge
+        return depth_state.read_normed(query, self.config, site, partial(apply_norm, norm),
+                                       fusable_rmsnorm(norm))
+
     def forward(
         self,
         depth_state: DepthState,
@@ -108,8 +115,7 @@ class LRAttnResLayer(TransformerLayer):
         if attn_site == 0:
             x = apply_norm(self.input_layernorm, depth_state.embedding)
         else:
-            x = depth_state.read_normed(input_query, self.config, attn_site,
-                                        self.input_layernorm)
+            x = self._read_input(depth_state, input_query, attn_site, self.input_layernorm)
         attn = self.self_attention(
             x,
             attention_mask=attention_mask,
@@ -121,8 +127,7 @@ class LRAttnResLayer(TransformerLayer):
         )
         depth_state.add(*self._sublayer_output(attn), self.schedule.closes_block(attn_site + 1))
 
-        x = depth_state.read_normed(pre_mlp_query, self.config, attn_site + 1,
-                                    self.pre_mlp_layernorm)
+        x = self._read_input(depth_state, pre_mlp_query, attn_site + 1, self.pre_mlp_layernorm)
         mlp = self.mlp(x)
         depth_state.add(*self._sublayer_output(mlp), self.schedule.closes_block(attn_site + 2))
         return depth_state

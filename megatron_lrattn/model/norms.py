@@ -1,4 +1,6 @@
-"""A PyTorch RMSNorm / LayerNorm for the local spec that works with sequence parallelism.
+"""PreNorm modules: a PyTorch RMSNorm / LayerNorm for the local spec that works with sequence
+parallelism, and how the depth-attention layer applies a norm module or hands its gain to a
+two-phase merge.
 
 megatron-core's ``WrappedTorchNorm`` (what the local spec uses without TE or apex) refuses
 ``sequence_parallel``. The norm itself needs nothing for it: under sequence parallelism
@@ -13,7 +15,10 @@ parallelism).
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
+from torch import Tensor
 
 
 class SequenceParallelTorchNorm:
@@ -58,3 +63,23 @@ class SequenceParallelTorchNorm:
         for p in norm.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
         return norm
+
+
+def apply_norm(norm, x: Tensor) -> Tensor:
+    """Apply a PreNorm module; newer megatron-core norms built for a residual return
+    (out, residual)."""
+    out = norm(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def fusable_rmsnorm(norm) -> Optional[Tuple[Tensor, Optional[float]]]:
+    """(weight, eps) of a PreNorm a two-phase merge can apply itself, else None.
+
+    Only ``torch.nn.RMSNorm`` with a weight (the local spec's norm) qualifies; its ``eps``
+    may be None (then the input dtype's machine epsilon, as the module uses). LayerNorm, TE
+    norms and the ``IdentityOp`` left where TE fuses the norm into the next linear do not.
+    """
+    if type(norm) is torch.nn.RMSNorm and norm.weight is not None \
+            and len(norm.normalized_shape) == 1:
+        return norm.weight, norm.eps
+    return None

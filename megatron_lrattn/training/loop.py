@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron_lrattn.data.datasets import build_gpt_datasets, get_batch
 from megatron_lrattn.data.tokenizer import HFTokenizer
 from megatron_lrattn.depth.state import uses_two_phase
-from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn, log_pipeline_payloads
+from megatron_lrattn.depth.payload import log_pipeline_payloads
+from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
 from megatron_lrattn.training.arguments import ArgumentError
 from megatron_lrattn.training.builder import (
     build_config,
