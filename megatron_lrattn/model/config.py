@@ -64,9 +64,10 @@ class LRAttnResConfig(TransformerConfig):
     sources per site), ``two_phase`` (phase 1 reads the block's completed sources once for
     all of its read sites on this pipeline chunk and caches (out, lse); each site then
     merges the running partial sum with an online-softmax step, see
-    ``megatron_lrattn.ops.depth_read_multi`` / ``depth_merge``) or ``auto`` (two_phase
-    where the reads run on the fused kernels, on CUDA with depth_backend auto or triton;
-    per_site on the reference path). Both give the same result up to rounding."""
+    ``megatron_lrattn.ops.depth_read_multi`` and ``megatron_lrattn.ops.depth_merge``) or
+    ``auto`` (two_phase where the reads run on the fused kernels, on CUDA with
+    depth_backend auto or triton; per_site on the reference path). Both give the same
+    result up to rounding."""
 
     fuse_depth_norm: bool = True
     """Fuse the next sub-layer's RMSNorm into the two-phase merges where the layer's norm is

@@ -1,11 +1,14 @@
-"""Layer and block specs: stock megatron-core modules plus our layer, key-emitting
-projections, SDPA core attention and a sequence-parallel-aware PyTorch norm; or, with
-``backend="te"``, megatron-core's Transformer Engine modules (TE imported only then)."""
+"""Layer and block specs: megatron-core's own GPT layer spec with our layer, key-emitting output
+projections and a sequence-parallel-aware PyTorch norm. One builder serves both backends;
+``SpecModules`` is what differs between them: ``local`` (megatron-core modules, SDPA core
+attention on GPU) and ``te`` (megatron-core's Transformer Engine modules, TE imported only
+then)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -13,11 +16,10 @@ from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_lrattn.model.attention import SDPACoreAttention
+from megatron_lrattn.model.attention import RotarySDPASelfAttention, SDPACoreAttention
 from megatron_lrattn.model.layer import LRAttnResLayer
 from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
-SPEC_BACKENDS = ("local", "te")
 CORE_ATTENTION = ("auto", "local", "sdpa")
 
 
@@ -30,6 +32,77 @@ class KeyEmittingRowParallelLinear(RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size + config.key_rank, config=config, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecModules:
+    """The modules one backend puts into megatron-core's layer spec.
+
+    Attributes:
+        base: megatron-core's GPT layer spec of the backend (the ``standard`` layer).
+        layer: our depth-attention layer class (``attnres`` / ``lr_attnres``).
+        key_linear: row-parallel output projection with r key rows (projected keys).
+        prenorm: the sub-layer PreNorm, or None where the backend fuses it into the next
+            linear.
+        core_attention: replacement core attention, or None to keep the base spec's.
+    """
+
+    base: ModuleSpec
+    layer: type
+    key_linear: type
+    prenorm: Optional[type]
+    core_attention: Optional[type]
+
+
+def _local_modules(config, normalization: str, qk_layernorm: bool,
+                   core_attention: str) -> SpecModules:
+    """megatron-core's local modules; SDPA core attention for ``sdpa`` (``auto``: on CUDA)."""
+    if getattr(config, "fp8", None):
+        raise ValueError(f"fp8={config.fp8!r} needs backend='te' (FP8 GEMMs are Transformer "
+                         "Engine modules; the local spec runs bf16)")
+    if core_attention not in CORE_ATTENTION:
+        raise ValueError(f"core_attention={core_attention!r}; allowed: {CORE_ATTENTION}")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"normalization={normalization!r}; allowed: RMSNorm, LayerNorm")
+    if core_attention == "auto":
+        core_attention = "sdpa" if torch.cuda.is_available() else "local"
+    return SpecModules(
+        base=get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm),
+        layer=LRAttnResLayer, key_linear=KeyEmittingRowParallelLinear,
+        prenorm=SequenceParallelTorchNorm,
+        core_attention=SDPACoreAttention if core_attention == "sdpa" else None)
+
+
+def _te_modules(config, normalization: str, qk_layernorm: bool,
+                core_attention: str) -> SpecModules:
+    """megatron-core's TE modules: ``TELayerNormColumnParallelLinear`` for QKV and FC1 (the
+    PreNorm fused in, so ``input_layernorm``/``pre_mlp_layernorm`` stay ``IdentityOp``),
+    ``TEDotProductAttention``, ``TERowParallelLinear`` (``KeyEmittingTERowParallelLinear``
+    for projected keys), ``TELRAttnResLayer``. The norms follow ``config.normalization``."""
+    from megatron_lrattn.compat import te as te_compat
+
+    if core_attention != "auto":
+        raise ValueError(f"core_attention={core_attention!r} applies to backend='local'; the "
+                         "TE spec uses TEDotProductAttention")
+    if config.projected_keys and getattr(config, "tp_comm_overlap", False):
+        raise ValueError("tp_comm_overlap with projected keys: TE's communication buffers are "
+                         "sized for d output rows, the key-emitting projections have d + r")
+    te_compat.check_fp8_config(config)
+    te_compat.require_te()
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from megatron_lrattn.model.te_layers import KeyEmittingTERowParallelLinear, TELRAttnResLayer
+
+    return SpecModules(base=get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm),
+                       layer=TELRAttnResLayer, key_linear=KeyEmittingTERowParallelLinear,
+                       prenorm=None, core_attention=None)
+
+
+_BACKEND_MODULES = {"local": _local_modules, "te": _te_modules}
+SPEC_BACKENDS = tuple(_BACKEND_MODULES)
+"""The ``backend`` choices of ``get_lr_attnres_layer_spec``."""
 
 
 def _replace_submodules(entry, **changes):
@@ -55,21 +128,25 @@ def get_lr_attnres_layer_spec(
     """Transformer-layer spec for a residual mode.
 
     Args:
-        config: ``LRAttnResConfig``; its ``residual`` and ``key`` choose the layer.
+        config: ``LRAttnResConfig``; its ``residual`` and ``key_type`` choose the layer.
         backend: ``local`` (megatron-core modules) or ``te`` (Transformer Engine modules,
             experimental; FP8 through ``config.fp8``/``config.fp8_recipe``).
-        normalization: ``RMSNorm`` or ``LayerNorm``.
+        normalization: ``RMSNorm`` or ``LayerNorm`` (local; the TE norms follow
+            ``config.normalization``).
         qk_layernorm: normalise queries and keys of self-attention.
         core_attention: ``local`` (megatron's DotProductAttention), ``sdpa`` or ``auto``
             (``sdpa`` when CUDA is available); the TE spec takes only ``auto`` (it uses
             ``TEDotProductAttention``).
 
     Returns:
-        A ``ModuleSpec``: megatron-core's own local spec for ``standard`` (with the core
-        attention swapped when ``sdpa`` is chosen), ``LRAttnResLayer`` otherwise. In both,
-        the norms are ``SequenceParallelTorchNorm`` (the same PyTorch modules as
-        megatron's ``WrappedTorchNorm``, but accepting ``sequence_parallel``). For ``te``
-        see ``_te_layer_spec``.
+        A ``ModuleSpec``: the backend's megatron-core GPT layer spec with our layer
+        (``LRAttnResLayer``, ``TELRAttnResLayer`` for ``te``) unless ``residual`` is
+        ``standard``, key-emitting output projections for projected keys, and
+        ``SequenceParallelTorchNorm`` (the same PyTorch modules as megatron's
+        ``WrappedTorchNorm``, but accepting ``sequence_parallel``) for the QK norms and,
+        with ``local``, the PreNorms (``get_lr_attnres_block_spec`` adds the final norm).
+        So every distributed-checkpoint key is the same in both backends
+        (``megatron_lrattn.compat.te``).
 
     Raises:
         ValueError: an unknown choice, or FP8 settings without ``te`` or that TE refuses.
@@ -77,78 +154,28 @@ def get_lr_attnres_layer_spec(
     """
     if backend not in SPEC_BACKENDS:
         raise ValueError(f"backend={backend!r} is not available; allowed: {SPEC_BACKENDS}")
-    if backend == "te":
-        return _te_layer_spec(config, qk_layernorm, core_attention)
-    if getattr(config, "fp8", None):
-        raise ValueError(f"fp8={config.fp8!r} needs backend='te' (FP8 GEMMs are Transformer "
-                         "Engine modules; the local spec runs bf16)")
-    if core_attention not in CORE_ATTENTION:
-        raise ValueError(f"core_attention={core_attention!r}; allowed: {CORE_ATTENTION}")
-    if normalization not in ("RMSNorm", "LayerNorm"):
-        raise ValueError(f"normalization={normalization!r}; allowed: RMSNorm, LayerNorm")
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    if core_attention == "auto":
-        core_attention = "sdpa" if torch.cuda.is_available() else "local"
-    sub = spec.submodules
-    attn_changes, mlp_changes = {}, {}
+    modules = _BACKEND_MODULES[backend](config, normalization, qk_layernorm, core_attention)
+    sub = modules.base.submodules
+    attn_changes, mlp_changes, layer_changes = {}, {}, {}
     if qk_layernorm:
         attn_changes["q_layernorm"] = SequenceParallelTorchNorm
         attn_changes["k_layernorm"] = SequenceParallelTorchNorm
-    if core_attention == "sdpa":
-        attn_changes["core_attention"] = SDPACoreAttention
+    if modules.core_attention is not None:
+        attn_changes["core_attention"] = modules.core_attention
     if config.projected_keys:
-        attn_changes["linear_proj"] = KeyEmittingRowParallelLinear
-        mlp_changes["linear_fc2"] = KeyEmittingRowParallelLinear
-    layer_changes = {"input_layernorm": SequenceParallelTorchNorm,
-                     "pre_mlp_layernorm": SequenceParallelTorchNorm}
+        attn_changes["linear_proj"] = modules.key_linear
+        mlp_changes["linear_fc2"] = modules.key_linear
+    if modules.prenorm is not None:
+        layer_changes.update(input_layernorm=modules.prenorm, pre_mlp_layernorm=modules.prenorm)
     if attn_changes:
         layer_changes["self_attention"] = _replace_submodules(sub.self_attention, **attn_changes)
+    attn = layer_changes.get("self_attention")
+    if modules.core_attention is SDPACoreAttention and isinstance(attn, ModuleSpec):
+        # the SDPA core applies the rotary embedding itself (fused, model/attention.py)
+        layer_changes["self_attention"] = dataclasses.replace(attn, module=RotarySDPASelfAttention)
     if mlp_changes:
         layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
-    module = LRAttnResLayer if config.uses_depth_attention else spec.module
-    return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
-
-
-def _te_layer_spec(config, qk_layernorm: bool, core_attention: str) -> ModuleSpec:
-    """The TE layer spec: megatron-core's TE spec with our layer and key-emitting projection.
-
-    ``TELayerNormColumnParallelLinear`` for QKV and FC1 (the PreNorm fused in, so
-    ``input_layernorm``/``pre_mlp_layernorm`` are ``IdentityOp``), ``TEDotProductAttention``,
-    ``TERowParallelLinear`` (``KeyEmittingTERowParallelLinear`` for projected keys). The QK
-    norms stay ``SequenceParallelTorchNorm`` (and the block's final norm too), so every
-    distributed-checkpoint key is the same as the local spec's (``te_compat``).
-    """
-    from megatron_lrattn.compat import te as te_compat
-
-    if core_attention != "auto":
-        raise ValueError(f"core_attention={core_attention!r} applies to backend='local'; the "
-                         "TE spec uses TEDotProductAttention")
-    if config.projected_keys and getattr(config, "tp_comm_overlap", False):
-        raise ValueError("tp_comm_overlap with projected keys: TE's communication buffers are "
-                         "sized for d output rows, the key-emitting projections have d + r")
-    te_compat.check_fp8_config(config)
-    te_compat.require_te()
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
-    from megatron_lrattn.model.te_layers import KeyEmittingTERowParallelLinear, TELRAttnResLayer
-
-    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    sub = spec.submodules
-    attn_changes, mlp_changes = {}, {}
-    if qk_layernorm:
-        attn_changes["q_layernorm"] = SequenceParallelTorchNorm
-        attn_changes["k_layernorm"] = SequenceParallelTorchNorm
-    if config.projected_keys:
-        attn_changes["linear_proj"] = KeyEmittingTERowParallelLinear
-        mlp_changes["linear_fc2"] = KeyEmittingTERowParallelLinear
-    layer_changes = {}
-    if attn_changes:
-        layer_changes["self_attention"] = _replace_submodules(sub.self_attention, **attn_changes)
-    if mlp_changes:
-        layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
-    module = TELRAttnResLayer if config.uses_depth_attention else spec.module
+    module = modules.layer if config.uses_depth_attention else modules.base.module
     return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
 
 
