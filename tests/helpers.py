@@ -1,5 +1,6 @@
-"""Shared test helpers: a single-process gloo model-parallel setup, tiny model builders, and
-what the tests that run the CLIs in subprocesses share (environment, free port, wait)."""
+"""Shared test helpers: the relative-RMS error metric, a single-process gloo model-parallel
+setup, tiny model builders, and what the tests that run the CLIs in subprocesses share
+(environment, free port, wait)."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,23 @@ BATCH = 2
 
 
 from megatron_lrattn.training.runtime import single_process_model_parallel as model_parallel_1x1  # noqa: E402,F401
+
+
+def rel_rms(x, ref, floor=1e-30):
+    """RMS(x - ref) / RMS(ref); ``floor`` stands in for RMS(ref) when that is smaller
+    (an identically zero reference, e.g. every key gradient of a single source)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(floor)).item()
+
+
+def grad_errors(errs, names, grads, ref_grads, leaves, floor):
+    """Add each leaf's gradient error (relative RMS, ``floor`` for tiny references) to
+    ``errs``; every gradient must have its leaf's dtype and shape."""
+    for name, gr, rg, t in zip(names, grads, ref_grads, leaves):
+        assert gr.dtype == t.dtype and gr.shape == t.shape, name
+        errs[name] = rel_rms(gr, torch.zeros_like(gr, dtype=torch.float64) if rg is None
+                             else rg, floor=floor)
+    return errs
 
 
 def seed_all(seed: int) -> None:

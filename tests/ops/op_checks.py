@@ -1,8 +1,10 @@
-"""Shared pieces of the op tests: device, the tolerance table, the relative-RMS metric, the
-GPU marker and the per-gradient error check."""
+"""Shared pieces of the op tests: device, the tolerance table and the GPU marker, beside the
+relative-RMS metric and the per-gradient error check of tests/helpers.py."""
 
 import pytest
 import torch
+
+from helpers import grad_errors, rel_rms  # noqa: F401 (the tests import them from here)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -16,13 +18,6 @@ def gpu(fn):
     return pytest.mark.gpu(fn)
 
 
-def rel_rms(x, ref, floor=1e-30):
-    """RMS(x - ref) / RMS(ref); ``floor`` stands in for RMS(ref) when that is smaller
-    (an identically zero reference, e.g. every key gradient of a single source)."""
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(floor)).item()
-
-
 def randn(gen, *shape, dtype=torch.float32):
     """Standard normal on DEVICE from ``gen``, cast to ``dtype``."""
     return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
@@ -31,16 +26,6 @@ def randn(gen, *shape, dtype=torch.float32):
 def up(ts):
     """float64 leaf copies (None stays None)."""
     return None if ts is None else [t.detach().double().requires_grad_() for t in ts]
-
-
-def grad_errors(errs, names, grads, ref_grads, leaves, floor):
-    """Add each leaf's gradient error (relative RMS, ``floor`` for tiny references) to
-    ``errs``; every gradient must have its leaf's dtype and shape."""
-    for name, gr, rg, t in zip(names, grads, ref_grads, leaves):
-        assert gr.dtype == t.dtype and gr.shape == t.shape, name
-        errs[name] = rel_rms(gr, torch.zeros_like(gr, dtype=torch.float64) if rg is None
-                             else rg, floor=floor)
-    return errs
 
 
 def assert_table(errs, dtype, factor=1.0):
