@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_env, free_port
+from helpers import cli_env, free_port, rel_rms
 
 MODES = {
     "standard": ["--residual", "standard"],
@@ -55,11 +55,11 @@ def _batches():
 def _forward_step(data_iterator, model):
     from functools import partial
 
-    from megatron_lrattn.training.loop import _loss_func
+    from megatron_lrattn.training.step import loss_func
 
     b = next(data_iterator)
     out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-    return out, partial(_loss_func, b["loss_mask"])
+    return out, partial(loss_func, b["loss_mask"])
 
 
 def _shard(full: torch.Tensor, like: torch.nn.Parameter, tp_rank: int, tp: int) -> torch.Tensor:
@@ -142,7 +142,7 @@ def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None, lay
         if ref is not None:
             for name, p in params:
                 want = _shard(ref["grads"][name], p, tp_rank, tp)
-                errors[name] = float((grads[name] - want).norm() / want.norm().clamp(min=1e-30))
+                errors[name] = rel_rms(grads[name], want)
         cache = getattr(chunks[0].decoder, "stage_cache", None)
         return {"weights": weights, "grads": grads, "losses": losses, "errors": errors,
                 "decoder_rows": sorted(set(rows)),

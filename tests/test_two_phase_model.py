@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers import build_gpt, model_parallel_1x1, tiny_batch, tiny_config
+from helpers import build_gpt, model_parallel_1x1, rel_rms, tiny_batch, tiny_config
 
 STEPS = 3
 # (loss, gradient) relative tolerances of the float64 comparisons (float64 so that rounding
@@ -55,7 +55,7 @@ def _compare(a, b):
     for step, (sa, sb) in enumerate(zip(ga, gb)):
         assert sa.keys() == sb.keys()
         for n in sa:
-            err = ((sa[n] - sb[n]).norm() / sb[n].norm().clamp_min(1e-30)).item()
+            err = rel_rms(sa[n], sb[n])
             assert err <= GRAD_RTOL, (step, n, err)
 
 
@@ -88,8 +88,7 @@ def test_two_phase_matches_per_site_over_training_steps(mp, mode, key, monkeypat
 
 def _errors(run, ref):
     """Per step and parameter: relative RMS error of ``run``'s gradient against ``ref``'s."""
-    return [{n: ((g[n].double() - r[n]).norm() / r[n].norm().clamp_min(1e-30)).item()
-             for n in r} for g, r in zip(run[1], ref[1])]
+    return [{n: rel_rms(g[n], r[n]) for n in r} for g, r in zip(run[1], ref[1])]
 
 
 def _check_fused_fp32(schedule: str, key: str):
@@ -268,7 +267,7 @@ def _bf16_ddp_run(schedule: str, backend: str, residual: str, seq: int, mbs: int
     from megatron_lrattn.training.arguments import parse_args
     from megatron_lrattn.training.builder import (build_config, build_model, build_optimizer,
                                                   wrap_model)
-    from megatron_lrattn.training.loop import _loss_func
+    from megatron_lrattn.training.step import loss_func
 
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7)
@@ -301,7 +300,7 @@ def _bf16_ddp_run(schedule: str, backend: str, residual: str, seq: int, mbs: int
     def step_fn(it, m):
         b = next(it)
         return m(b["tokens"], b["position_ids"], None, labels=b["labels"]), partial(
-            _loss_func, b["loss_mask"])
+            loss_func, b["loss_mask"])
 
     losses, first_grads = [], None
     for _ in range(steps):
@@ -322,7 +321,7 @@ def _bf16_ddp_run(schedule: str, backend: str, residual: str, seq: int, mbs: int
 def _compare_bf16(two, per, grad_tol: float, loss_tol: float):
     (lt, gt), (lp, gp) = two, per
     assert gt.keys() == gp.keys()
-    errs = {n: ((gt[n] - gp[n]).norm() / gp[n].norm().clamp_min(1e-30)).item() for n in gp}
+    errs = {n: rel_rms(gt[n], gp[n]) for n in gp}
     queries = [n for n in gp if "depth_queries" in n]
     assert queries and all(gt[n].abs().sum() > 0 for n in queries), "a query got no gradient"
     bad = {n: e for n, e in errs.items() if not e <= grad_tol}

@@ -174,16 +174,21 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         add_ratios, arm_result, format_table, write_json, write_plot,
     )
     from megatron_lrattn.profiling.runner import depth_read_kernel_names, run_arms
-    from megatron_lrattn.training.builder import padded_vocab_size
-    from megatron_lrattn.training.loop import virtual_stages
+    from megatron_lrattn.training.builder import padded_vocab_size, virtual_stages
+    from megatron_lrattn.training.determinism import enable_deterministic
     from megatron_lrattn.training.runtime import init_runtime, shutdown_runtime
+    from megatron_lrattn.training.step import check_sequence_parallel, num_microbatches, use_bf16
 
+    # The same set-up as lrattn-pretrain's, so that the arms time the step training runs.
+    check_sequence_parallel(args)
+    if args.deterministic:
+        enable_deterministic()
     rt = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                       args.seed, vp=virtual_stages(args))
     try:
         cuda = torch.cuda.is_available()
         vocab = padded_vocab_size(args.vocab_size, rt.tp)
-        num_micro = args.global_batch_size // (args.micro_batch_size * rt.dp)
+        num_micro = num_microbatches(args, rt.dp)
         tokens_per_step = args.global_batch_size * args.seq_length
         runs = run_arms(args.arm_specs, args, rt, vocab, num_micro, args.rounds,
                         args.steps_per_round, args.warmup_steps, sequential=args.sequential,
@@ -203,7 +208,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 "micro_batch_size": args.micro_batch_size,
                 "global_batch_size": args.global_batch_size, "num_microbatches": num_micro,
                 "tokens_per_step": tokens_per_step, "vocab_size": vocab,
-                "bf16": args.bf16 if args.bf16 is not None else cuda,
+                "bf16": use_bf16(args),
                 "depth_backend": args.depth_backend, "rounds": args.rounds,
                 "steps_per_round": args.steps_per_round, "warmup_steps": args.warmup_steps,
                 "sequential": args.sequential, "peak_tflops": args.peak_tflops,

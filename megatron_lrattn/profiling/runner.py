@@ -1,9 +1,11 @@
 """Build the arms, run them alternating, and measure step time, memory and the depth-read
 share of a step.
 
-Every arm is a full training setup (model in megatron DDP, megatron optimizer, LR schedule)
-built from the same arguments; steps are ``get_forward_backward_func`` + ``optimizer.step``
-on synthetic token batches (throughput does not depend on the token values).
+Every arm is a full training setup built from the same arguments by ``lrattn-pretrain``'s
+own step builder (``megatron_lrattn.training.step``: model in megatron DDP, megatron
+optimizer, LR schedule), and every step is the training step itself (forward-backward, loss
+reduction, finiteness check, optimizer step, LR schedule) on synthetic token batches
+(throughput does not depend on the token values).
 
 Memory
 ------
@@ -28,7 +30,6 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -36,8 +37,9 @@ import torch.distributed as dist
 
 from megatron_lrattn.ops import BACKWARD_NODES, fused_kernel_names
 from megatron_lrattn.profiling.arms import Arm, arm_args
-from megatron_lrattn.training.loop import virtual_stages
+from megatron_lrattn.training.builder import virtual_stages
 from megatron_lrattn.training.runtime import Runtime
+from megatron_lrattn.training.step import TrainStep, build_train_step, step_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,9 @@ class ArmRun:
 
     Attributes:
         arm: the arm.
-        models: the DDP-wrapped model chunk(s): one per virtual pipeline stage with
-            ``--num-layers-per-virtual-pipeline-stage``.
-        optimizer, scheduler: megatron optimizer and LR schedule.
-        step_kwargs: keyword arguments of the forward-backward function.
-        num_params: parameters of this rank's chunk.
+        step: its training step (``TrainStep``: DDP-wrapped model chunk(s), optimizer, LR
+            schedule); None once freed.
+        steps_done: training steps run so far (build, warm-up, timed and profiled).
         resident_bytes: memory the arm keeps between steps (module docstring).
         step_times_s: wall time of every timed step.
         step_peak_bytes: largest growth of allocated memory during one timed step.
@@ -71,11 +71,8 @@ class ArmRun:
     """
 
     arm: Arm
-    models: list
-    optimizer: object
-    scheduler: object
-    step_kwargs: Dict
-    num_params: int
+    step: Optional[TrainStep]
+    steps_done: int = 0
     resident_bytes: int = 0
     step_times_s: List[float] = field(default_factory=list)
     step_peak_bytes: int = 0
@@ -111,57 +108,21 @@ def synthetic_batch(mbs: int, seq: int, vocab: int, device: torch.device, seed: 
     }
 
 
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    mask = loss_mask.view(-1).float()
-    loss = (output_tensor.float().view(-1) * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model):
-    b = next(data_iterator)
-    output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-    return output, partial(_loss_func, b["loss_mask"])
-
-
-def build_arm(arm: Arm, args: argparse.Namespace, vocab_size: int, num_micro: int) -> ArmRun:
-    """Config, model, DDP wrapper, optimizer and LR schedule of one arm (this rank's chunk).
+def build_arm(arm: Arm, args: argparse.Namespace, vocab_size: int, num_micro: int,
+              device: torch.device) -> ArmRun:
+    """The training step of one arm (this rank's chunk), as ``lrattn-pretrain`` builds it.
 
     Raises:
         ConfigError: when the arm's configuration is refused.
     """
-    from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
-    from megatron_lrattn.training.builder import (
-        build_config, build_model_chunks, build_optimizer, wrap_model,
-    )
-
     a = arm_args(args, arm)
-    bf16 = args.bf16 if args.bf16 is not None else _cuda()
-    config = build_config(a, bf16)
-    # One chunk, or one per virtual stage sharing the rank's depth-source cache.
-    chunks = build_model_chunks(config, a, vocab_size)
-    num_params = sum(p.numel() for m in chunks for p in m.parameters())
-    models = [wrap_model(m, config, a.use_distributed_optimizer) for m in chunks]
-    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
-    optimizer, scheduler = build_optimizer(models, config, a)
-    step_kwargs = dict(num_microbatches=num_micro, seq_length=a.seq_length,
-                       micro_batch_size=a.micro_batch_size, decoder_seq_length=a.seq_length)
-    shapes_fn = depth_tensor_shapes_fn(config)
-    if shapes_fn is not None:
-        step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
-    return ArmRun(arm, models, optimizer, scheduler, step_kwargs, num_params)
+    return ArmRun(arm, build_train_step(a, step_config(a), vocab_size, num_micro, device))
 
 
 def train_step(run: ArmRun, batches) -> None:
-    """One training step: forward + backward over every micro-batch, optimizer step."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    for m in run.models:
-        m.zero_grad_buffer()
-    run.optimizer.zero_grad()
-    get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=batches,
-                                model=run.models, forward_only=False, **run.step_kwargs)
-    run.optimizer.step()
-    run.scheduler.step(increment=1)
+    """One training step of the arm (``TrainStep.train``)."""
+    run.steps_done += 1
+    run.step.train(batches, run.steps_done)
 
 
 def timed_step(run: ArmRun, batches) -> None:
@@ -247,21 +208,21 @@ def top_ops(prof, on_cuda: bool, n: int = TOP_OPS) -> List[Tuple[str, float]]:
     return [(k[:120], t * 1e-6) for k, t in rows[:n]]
 
 
-def _build_warm(arm: Arm, args, vocab_size: int, num_micro: int, batches) -> ArmRun:
+def _build_warm(arm: Arm, args, vocab_size: int, num_micro: int, batches,
+                device: torch.device) -> ArmRun:
     _sync()
     before = _allocated()
-    run = build_arm(arm, args, vocab_size, num_micro)
+    run = build_arm(arm, args, vocab_size, num_micro, device)
     train_step(run, batches)
     _sync()
     run.resident_bytes = _allocated() - before
     logger.info("built %s: %d parameters on this rank, %.2f GB resident", arm.label,
-                run.num_params, run.resident_bytes / 1e9)
+                run.step.num_params, run.resident_bytes / 1e9)
     return run
 
 
 def _free(run: ArmRun) -> None:
-    run.models.clear()
-    run.optimizer = run.scheduler = None
+    run.step = None
     gc.collect()
     if _cuda():
         torch.cuda.empty_cache()
@@ -294,7 +255,7 @@ def run_arms(arms: List[Arm], args: argparse.Namespace, rt: Runtime, vocab_size:
     runs: List[ArmRun] = []
     if sequential:
         for arm in arms:
-            run = _build_warm(arm, args, vocab_size, num_micro, batches)
+            run = _build_warm(arm, args, vocab_size, num_micro, batches, rt.device)
             for _ in range(warmup_steps):
                 train_step(run, batches)
             for _ in range(rounds * steps_per_round):
@@ -303,7 +264,8 @@ def run_arms(arms: List[Arm], args: argparse.Namespace, rt: Runtime, vocab_size:
             _free(run)
             runs.append(run)
     else:
-        runs = [_build_warm(arm, args, vocab_size, num_micro, batches) for arm in arms]
+        runs = [_build_warm(arm, args, vocab_size, num_micro, batches, rt.device)
+                for arm in arms]
         for run in runs:
             for _ in range(warmup_steps):
                 train_step(run, batches)

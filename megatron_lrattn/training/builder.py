@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +17,21 @@ SPEC_BACKENDS = {"local": "local", "transformer_engine": "te"}
 """``--transformer-impl`` -> ``get_lr_attnres_layer_spec(backend=...)``."""
 
 
+def virtual_stages(args: argparse.Namespace) -> Optional[int]:
+    """Virtual pipeline stages per rank from ``--num-layers-per-virtual-pipeline-stage``
+    (None without interleaving)."""
+    per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_virtual is None:
+        return None
+    return args.num_layers // (args.pipeline_model_parallel_size * per_virtual)
+
+
 def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
     """``LRAttnResConfig`` from command-line arguments (raises ``ConfigError`` on bad values)."""
     from megatron.core.distributed import finalize_model_grads
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    per_virtual = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    virtual = None
-    if per_virtual is not None:
-        virtual = args.num_layers // (args.pipeline_model_parallel_size * per_virtual)
+    virtual = virtual_stages(args)
     return LRAttnResConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -1,0 +1,224 @@
+"""The training step, built once for ``lrattn-pretrain`` and ``lrattn-profile``.
+
+:func:`build_train_step` assembles this rank's model chunk(s) in megatron's DDP, the
+optimizer and LR schedule and the forward-backward function with its per-stage shapes;
+:meth:`TrainStep.train` runs one step: zero the gradient buffers, forward + backward over
+every micro-batch (megatron's pipeline schedule), the loss reduced over data-parallel ranks,
+the finiteness check of loss and gradients (``--on-nonfinite``), then the optimizer step
+(gradient clipping inside it) and the LR schedule. The profiler times exactly this step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lrattn.data.datasets import get_batch
+from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
+from megatron_lrattn.model.config import LRAttnResConfig
+from megatron_lrattn.training import faults
+from megatron_lrattn.training.arg_types import ArgumentError
+from megatron_lrattn.training.builder import (
+    build_config,
+    build_model_chunks,
+    build_optimizer,
+    virtual_stages,
+    wrap_model,
+)
+from megatron_lrattn.training.numerics import check_step
+
+
+def use_bf16(args: argparse.Namespace) -> bool:
+    """``--bf16``, or on when CUDA is available and the flag is not given."""
+    return args.bf16 if args.bf16 is not None else torch.cuda.is_available()
+
+
+def step_config(args: argparse.Namespace) -> LRAttnResConfig:
+    """The model config of a training step (``--deterministic`` sets megatron's
+    ``deterministic_mode``); raises ``ConfigError`` on refused values."""
+    config = build_config(args, use_bf16(args))
+    config.deterministic_mode = bool(args.deterministic)
+    return config
+
+
+def check_sequence_parallel(args: argparse.Namespace) -> None:
+    """Refuse ``--sequence-parallel`` when the sequence does not split over the
+    tensor-parallel ranks (raises ``ArgumentError``)."""
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError(
+            f"--sequence-parallel splits the sequence over tensor-parallel ranks: --seq-length "
+            f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def num_microbatches(args: argparse.Namespace, dp: int) -> int:
+    """Micro-batches per step and data-parallel rank.
+
+    Raises:
+        ArgumentError: the global batch does not divide, or too few micro-batches for the
+            interleaved schedule.
+    """
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if gbs % (mbs * dp):
+        raise ArgumentError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp}")
+    num_micro = gbs // (mbs * dp)
+    pp = args.pipeline_model_parallel_size
+    if virtual_stages(args) and (num_micro % pp or (num_micro < 2 * pp
+                                                     and not torch.cuda.is_available())):
+        raise ArgumentError(
+            f"the interleaved schedule needs micro-batches per step ({num_micro}) to be a "
+            f"multiple of --pipeline-model-parallel-size {pp}, and at least 2 x it on CPU "
+            "(with exactly P megatron's interleaved schedule deadlocks over gloo)")
+    return num_micro
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean per-token loss over the unmasked tokens, and ``lm loss`` for the report."""
+    mask = loss_mask.view(-1).float()
+    loss = (output_tensor.float().view(-1) * mask).sum() / mask.sum().clamp(min=1)
+    loss = faults.poison_loss(loss)
+    # The schedule divides the returned loss in place: report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(device, data_iterator, model):
+    """megatron's forward-step function: the next micro-batch through ``model``."""
+    tokens, labels, loss_mask, position_ids = get_batch(next(data_iterator), device)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def reduce_loss(losses: List[Dict]) -> float:
+    """Mean 'lm loss' over micro-batches and data-parallel ranks, made known to all ranks."""
+    from megatron.core import parallel_state as ps
+
+    value = torch.zeros(1, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    if ps.is_pipeline_last_stage() and losses:
+        value[0] = float(torch.stack([x["lm loss"].float() for x in losses]).mean())
+        dist.all_reduce(value, group=ps.get_data_parallel_group())
+        value /= ps.get_data_parallel_world_size()
+    dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    return float(value[0])
+
+
+@dataclass
+class StepResult:
+    """What one training step did.
+
+    Attributes:
+        loss: the reduced loss (the same on every rank).
+        ok: the optimizer stepped (False for a skipped step).
+        grad_norm: the gradient norm the optimizer saw (None when skipped).
+        nonfinite: what was non-finite (``--on-nonfinite skip``), else None.
+    """
+
+    loss: float
+    ok: bool
+    grad_norm: Optional[float]
+    nonfinite: Optional[str]
+
+
+@dataclass
+class TrainStep:
+    """One rank's training setup and its step.
+
+    Attributes:
+        config: the model config.
+        models: the DDP-wrapped model chunk(s): one per virtual pipeline stage with
+            ``--num-layers-per-virtual-pipeline-stage``.
+        optimizer, scheduler: megatron optimizer and LR schedule.
+        num_params: parameters of this rank's chunk(s).
+        step_kwargs: keyword arguments of the forward-backward function.
+        forward_step: the forward-step function (batches go to this rank's device).
+        on_nonfinite: ``stop`` or ``skip`` (``--on-nonfinite``).
+    """
+
+    config: LRAttnResConfig
+    models: list
+    optimizer: object
+    scheduler: object
+    num_params: int
+    step_kwargs: Dict
+    forward_step: Callable
+    on_nonfinite: str
+
+    def _forward_backward(self, data_iterator, forward_only: bool) -> List[Dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=self.forward_step, data_iterator=data_iterator, model=self.models,
+            forward_only=forward_only, **self.step_kwargs)
+
+    def train(self, data_iterator, iteration: int) -> StepResult:
+        """One training step (module docstring).
+
+        Args:
+            data_iterator: micro-batches (one iterator per model chunk when interleaved).
+            iteration: 1-based number of the iteration being computed.
+
+        Raises:
+            NonFiniteError: ``--on-nonfinite stop`` and a non-finite loss or gradient.
+        """
+        for m in self.models:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        faults.set_iteration(iteration)
+        losses = self._forward_backward(data_iterator, forward_only=False)
+        faults.poison_grads(self.models)
+        loss = reduce_loss(losses)
+        nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite)
+        if nonfinite is not None:
+            # Skipped: optimizer, parameters and LR schedule stay as they were.
+            return StepResult(loss, False, None, nonfinite)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return StepResult(loss, ok, None if grad_norm is None else float(grad_norm), None)
+
+    def evaluate(self, make_iterator: Callable[[], object], iters: int) -> float:
+        """Mean loss of ``iters`` forward-only steps over ``make_iterator()`` (eval mode)."""
+        for m in self.models:
+            m.eval()
+        data_iterator = make_iterator()
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(iters):
+                total += reduce_loss(self._forward_backward(data_iterator, forward_only=True))
+        for m in self.models:
+            m.train()
+        return total / iters
+
+
+def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_size: int,
+                     num_micro: int, device: torch.device) -> TrainStep:
+    """Model chunk(s) in DDP, optimizer, LR schedule and step of this rank.
+
+    Args:
+        args: parsed ``lrattn-pretrain`` arguments.
+        config: from ``step_config(args)``.
+        vocab_size: the padded vocabulary (``padded_vocab_size``).
+        num_micro: micro-batches per step (``num_microbatches``).
+        device: where batches go.
+    """
+    # One chunk, or one per virtual stage sharing the rank's depth-source cache.
+    chunks = build_model_chunks(config, args, vocab_size)
+    num_params = sum(p.numel() for m in chunks for p in m.parameters())
+    models = [wrap_model(m, config, args.use_distributed_optimizer) for m in chunks]
+    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
+    optimizer, scheduler = build_optimizer(models, config, args)
+    step_kwargs = dict(num_microbatches=num_micro, seq_length=args.seq_length,
+                       micro_batch_size=args.micro_batch_size,
+                       decoder_seq_length=args.seq_length)
+    shapes_fn = depth_tensor_shapes_fn(config)
+    if shapes_fn is not None:
+        # A stage boundary carries several depth sources: per-stage p2p shapes.
+        step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
+    return TrainStep(config, models, optimizer, scheduler, num_params, step_kwargs,
+                     partial(forward_step, device), args.on_nonfinite)
