@@ -2,6 +2,13 @@
 
 Megatron's local ``DotProductAttention`` materialises [b * heads, s, s] scores; on GPU this
 drop-in replacement calls the fused SDPA kernels instead (causal masks only).
+
+Without Transformer Engine, megatron-core applies rotary embeddings with unfused ops (a
+rotate-half built from two concatenations, then multiplies and an add, each a pass over q
+and k, forward and backward). ``RotarySDPASelfAttention`` hands the rotary embedding to its
+SDPA core instead, which applies the same formula fused with the layout change for SDPA
+(one ``torch.compile``d kernel each way on CUDA; the eager formula, identical to megatron's
+op for op, elsewhere).
 """
 
 from __future__ import annotations
@@ -10,9 +17,38 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+
+
+def rotary_to_heads(t: Tensor, freqs: Tensor) -> Tensor:
+    """Rotary embedding of ``t`` [s, b, heads, hn] (megatron's non-interleaved formula, cos
+    and sin cast to ``t``'s dtype), returned as [b, heads, s, hn] for SDPA.
+
+    ``freqs`` is megatron's rotary tensor [s', 1, 1, rot_dim] (s' >= s, fp32); coordinates
+    past ``rot_dim`` pass through unrotated.
+    """
+    freqs = freqs[: t.shape[0]]
+    rot = freqs.shape[-1]
+    x, x_pass = t[..., :rot], t[..., rot:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    x = (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+    return torch.cat((x, x_pass), dim=-1).permute(1, 2, 0, 3)
+
+
+_compiled_rotary = None
+
+
+def _rotary(t: Tensor, freqs: Tensor) -> Tensor:
+    global _compiled_rotary
+    if not t.is_cuda:
+        return rotary_to_heads(t, freqs)
+    if _compiled_rotary is None:
+        _compiled_rotary = torch.compile(rotary_to_heads, fullgraph=True, dynamic=False)
+    return _compiled_rotary(t, freqs)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -33,6 +69,8 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPACoreAttention does not support context parallelism")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        # (q_freqs, k_freqs) set by RotarySDPASelfAttention for the call it is making
+        self.pending_rotary = None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None,
@@ -43,7 +81,12 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
         sq, b, np_, hn = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        v = value.permute(1, 2, 0, 3)  # [b, heads, s, hn]
+        if self.pending_rotary is not None:
+            q_freqs, k_freqs = self.pending_rotary
+            q, k = _rotary(query, q_freqs), _rotary(key, k_freqs)
+        else:
+            q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
         out = F.scaled_dot_product_attention(
             q, k, v,
             dropout_p=self.dropout if self.training else 0.0,
@@ -52,3 +95,30 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=k.shape[1] != q.shape[1],
         )
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+class RotarySDPASelfAttention(SelfAttention):
+    """``SelfAttention`` whose SDPA core applies the rotary embedding (fused, see the module
+    docstring). Any call the core cannot take over (packed sequences, inference, context
+    parallelism, interleaved or partial-recompute settings) runs megatron's own path."""
+
+    def forward(self, *args, rotary_pos_emb=None, **kwargs):
+        core = self.core_attention
+        c = self.config
+        fusable = (rotary_pos_emb is not None and isinstance(core, SDPACoreAttention)
+                   and kwargs.get("packed_seq_params") is None
+                   and kwargs.get("inference_context") is None
+                   and kwargs.get("inference_params") is None
+                   and not getattr(c, "rotary_interleaved", False)
+                   and not getattr(c, "recompute_granularity", None)
+                   and getattr(c, "context_parallel_size", 1) == 1
+                   and getattr(self, "_yarn_concentration_factor", 1.0) in (None, 1.0))
+        if not fusable:
+            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        core.pending_rotary = rotary_pos_emb
+        try:
+            return super().forward(*args, rotary_pos_emb=None, **kwargs)
+        finally:
+            core.pending_rotary = None

@@ -1,0 +1,71 @@
+"""SDPA core attention with the rotary embedding applied inside it, against megatron-core's
+own rotary path (exact in fp32 on CPU: the same ops in the same order)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import build_gpt, model_parallel_1x1, seed_all, tiny_batch, tiny_config
+
+
+@pytest.fixture
+def mp():
+    with model_parallel_1x1():
+        yield
+
+
+@pytest.mark.parametrize("rot_dim", [8, 4])
+def test_rotary_to_heads_equals_megatron_rotary(mp, rot_dim):
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from megatron_lrattn.model.attention import rotary_to_heads
+
+    g = torch.Generator().manual_seed(0)
+    s, b, h, hn = 12, 2, 3, 8
+    t = torch.randn(s, b, h, hn, generator=g, requires_grad=True)
+    freqs = torch.randn(s + 4, 1, 1, rot_dim, generator=g)
+    cfg = tiny_config("standard")
+    ref = apply_rotary_pos_emb(t, freqs[:s], config=cfg).permute(1, 2, 0, 3)
+    out = rotary_to_heads(t, freqs)
+    assert torch.equal(out, ref)
+    grad = torch.randn(out.shape, generator=g)
+    (g_ref,) = torch.autograd.grad(ref, t, grad)
+    (g_out,) = torch.autograd.grad(out, t, grad)
+    assert torch.equal(g_out, g_ref)
+
+
+def _stock_self_attention(spec):
+    """The same layer spec with megatron's own ``SelfAttention`` (rotary applied outside the
+    core)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megatron_lrattn.model.spec import _replace_submodules
+
+    attn = spec.submodules.self_attention
+    assert attn.module is not SelfAttention
+    stock = dataclasses.replace(attn, module=SelfAttention)
+    return _replace_submodules(spec, self_attention=stock)
+
+
+@pytest.mark.parametrize("residual", ["standard", "lr_attnres"])
+def test_sdpa_spec_rotary_inside_core_matches_megatron_rotary(mp, residual):
+    from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
+
+    cfg = tiny_config(residual, num_layers=2, **({} if residual == "standard" else {"num_blocks": 3}))
+    fused_spec = get_lr_attnres_layer_spec(cfg, core_attention="sdpa")
+    stock_spec = _stock_self_attention(fused_spec)
+    tokens, position_ids, labels = tiny_batch(seed=3)
+    losses, grads = [], []
+    for spec in (fused_spec, stock_spec):
+        seed_all(5)
+        model = build_gpt(cfg, seed=7, spec=spec)
+        loss = model(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
