@@ -150,12 +150,14 @@ def depth_read_kernel_names() -> List[str]:
 
 def device_kernel_times_us(prof) -> Dict[str, float]:
     """Total device time per kernel name (microseconds) of a finished profile: only the
-    events that ran on the GPU, so a CPU-side event of the same name is never counted."""
+    events that ran on the GPU, so a CPU-side event of the same name is never counted, and
+    no user annotation (``Optimizer.step#...`` ranges mirrored on the GPU timeline span
+    kernels that are counted on their own)."""
     from torch.autograd import DeviceType
 
     out: Dict[str, float] = {}
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us()
     return out
 

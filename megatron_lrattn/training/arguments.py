@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from megatron_lrattn.model.config import DEPTH_BACKENDS, DEPTH_SCHEDULES, KEY_TYPES, RESIDUAL_MODES
 from megatron_lrattn.training.arg_types import ArgumentError, positive_int
 from megatron_lrattn.training.config_file import load_config_file
+from megatron_lrattn.training.fusions import add_fusion_args
 from megatron_lrattn.training.presets import PRESETS
 from megatron_lrattn.training.validation import validate_args
 
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None,
                    help="interleaved pipeline: layers per model chunk (V = L / (P x this))")
+
+    add_fusion_args(p)
 
     g = p.add_argument_group("Transformer Engine (experimental)")
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",

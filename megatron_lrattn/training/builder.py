@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lrattn.model.config import LRAttnResConfig
+from megatron_lrattn.training.fusions import fusion_config, use_fused_adamw
 from megatron_lrattn.model.gpt import LRAttnResGPTModel
 from megatron_lrattn.model.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
 
@@ -84,6 +85,7 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         depth_backend=args.depth_backend,
         depth_schedule=getattr(args, "depth_schedule", "auto"),
         fuse_depth_norm=getattr(args, "fuse_depth_norm", True),
+        **fusion_config(args, torch.cuda.is_available()),
     )
 
 
@@ -171,6 +173,8 @@ def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namesp
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, models)
+    if getattr(args, "fused_adamw", True):
+        use_fused_adamw(optimizer)
     wsd_iters = None
     if args.lr_decay_style == "WSD":
         wsd_iters = args.lr_wsd_decay_iters or max(1, args.train_iters // 5)

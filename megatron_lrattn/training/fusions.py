@@ -1,0 +1,83 @@
+"""Fused kernels of the training step on CUDA, where megatron-core has no Apex or TE.
+
+megatron-core fuses the SwiGLU/GeLU activation with its bias, the bias-dropout-add and the
+cross-entropy with ``torch.compile``d functions (its ``jit_fuser``) when the config asks for
+them, and falls back to torch's ``AdamW`` in its multi-tensor form when neither TE's nor
+Apex's fused Adam is installed. On CUDA this module turns the compiled fusions on and moves
+that fallback to torch's single-kernel fused AdamW (the same update, one kernel per tensor
+group). On CPU nothing changes: compiling there would cost minutes of test time and buys
+nothing. The rotary embedding is fused in the SDPA core (``megatron_lrattn.model.attention``).
+``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
+``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Dict
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def add_fusion_args(parser: argparse.ArgumentParser) -> None:
+    """The ``--no-*-fusion`` flags (megatron-LM's names where it has them)."""
+    g = parser.add_argument_group("kernel fusion (CUDA; the CPU path is always unfused)")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="unfused SwiGLU (default: megatron-core's compiled bias-SwiGLU)")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="unfused bias-GeLU (default: fused where the MLP has biases)")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="unfused bias-dropout-add of the standard residual (default: fused)")
+    g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion",
+                   action="store_false",
+                   help="megatron-core's unfused vocab-parallel cross-entropy (default: its "
+                        "compiled native fusion)")
+    g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
+                   help="keep torch's multi-tensor AdamW when megatron-core falls back to it "
+                        "(default: torch's fused AdamW)")
+
+
+def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:
+    """``TransformerConfig`` fields of the fusions that apply (all off without CUDA)."""
+    if not cuda:
+        return {}
+    swiglu = bool(args.swiglu)
+    gelu_bias = not swiglu and not args.disable_bias_linear
+    act = (swiglu and getattr(args, "bias_swiglu_fusion", True)) or (
+        gelu_bias and getattr(args, "bias_gelu_fusion", True))
+    out: Dict[str, object] = {
+        "bias_activation_fusion": bool(act),
+        "bias_dropout_fusion": bool(getattr(args, "bias_dropout_fusion", True)),
+    }
+    if getattr(args, "cross_entropy_loss_fusion", True):
+        out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+    return out
+
+
+def use_fused_adamw(optimizer) -> int:
+    """Switch every torch ``Adam``/``AdamW`` inside a megatron optimizer whose parameters are
+    all CUDA floating-point tensors to the fused implementation.
+
+    Returns:
+        The number of torch optimizers switched (0 on CPU or with TE's/Apex's fused Adam).
+    """
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    switched = 0
+    for opt in chained:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+            continue
+        inner.defaults.update(fused=True, foreach=False)
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+        switched += 1
+    if switched:
+        logger.info("optimizer: torch fused AdamW (%d parameter set%s)", switched,
+                    "s" if switched > 1 else "")
+    return switched

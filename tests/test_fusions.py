@@ -1,0 +1,81 @@
+"""The CUDA fusions of the training step: which config fields they set, that megatron-core
+accepts them, that the optimizer switch touches only CUDA tensors, and (on the GPU box) that
+the fused step trains like the unfused one."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from megatron_lrattn.training.fusions import add_fusion_args, fusion_config, use_fused_adamw
+
+
+def _args(*argv, swiglu=True, bias=False):
+    p = argparse.ArgumentParser()
+    add_fusion_args(p)
+    a = p.parse_args(list(argv))
+    a.swiglu, a.disable_bias_linear = swiglu, not bias
+    return a
+
+
+def test_no_fusion_without_cuda():
+    assert fusion_config(_args(), cuda=False) == {}
+
+
+def test_fusions_on_cuda_by_default_and_each_flag_turns_one_off():
+    on = fusion_config(_args(), cuda=True)
+    assert on == {"bias_activation_fusion": True, "bias_dropout_fusion": True,
+                  "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}
+    assert fusion_config(_args("--no-bias-swiglu-fusion"), cuda=True)["bias_activation_fusion"] is False
+    assert fusion_config(_args("--no-bias-dropout-fusion"), cuda=True)["bias_dropout_fusion"] is False
+    assert "cross_entropy_loss_fusion" not in fusion_config(
+        _args("--no-cross-entropy-loss-fusion"), cuda=True)
+    # GeLU without biases has nothing to fuse (megatron-core refuses that combination)
+    assert fusion_config(_args(swiglu=False), cuda=True)["bias_activation_fusion"] is False
+    assert fusion_config(_args(swiglu=False, bias=True), cuda=True)["bias_activation_fusion"]
+
+
+@pytest.mark.parametrize("swiglu,bias", [(True, False), (False, True)])
+def test_megatron_accepts_the_fused_config(swiglu, bias):
+    import torch.nn.functional as F
+
+    from megatron_lrattn.model.config import LRAttnResConfig
+
+    cfg = LRAttnResConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_blocks=2,
+                          gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
+                          add_bias_linear=bias,
+                          **fusion_config(_args(swiglu=swiglu, bias=bias), cuda=True))
+    assert cfg.bias_activation_fusion and cfg.cross_entropy_loss_fusion
+
+
+class _Wrapper:
+    def __init__(self, inner):
+        self.optimizer = inner
+
+
+def test_fused_adamw_switch_leaves_cpu_optimizers_alone():
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([p])
+    assert use_fused_adamw(_Wrapper(opt)) == 0
+    assert not opt.param_groups[0]["fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_adamw_matches_multi_tensor_adamw_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ps = [torch.randn(64, 48, device="cuda", generator=g) for _ in range(3)]
+    a = [torch.nn.Parameter(x.clone()) for x in ps]
+    b = [torch.nn.Parameter(x.clone()) for x in ps]
+    oa = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1)
+    ob = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
+    assert use_fused_adamw(_Wrapper(ob)) == 1
+    for _ in range(5):
+        grads = [torch.randn(x.shape, device="cuda", generator=g) for x in ps]
+        for pa, pb, gr in zip(a, b, grads):
+            pa.grad, pb.grad = gr.clone(), gr.clone()
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a, b):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
