@@ -1,0 +1,206 @@
+"""Our training step beside a compiled plain-PyTorch model of the same shape, in one process.
+
+For one preset (``lrattn-profile``'s flags, so the step is the one ``lrattn-profile`` and
+``lrattn-pretrain`` run), build our arms and ``plain_gpt.PlainTrainer`` of the same shape,
+check that every model trains (the loss on a fixed batch falls over the warm-up steps), then
+time them alternating (``--rounds`` rounds of ``--steps-per-round`` steps each) and profile
+one step of each. Reports median step time, tokens/s, MFU, peak memory and the ratio to the
+plain model, and the top kernels of each model by device time (torch.profiler).
+
+MFU = F * tokens_per_step / (step_time * peak), F = 6 M + 12 L s a k (+ the depth reads'
+3 x forward FLOPs for our depth arms): M the matmul parameters, L layers, s sequence, a
+heads, k head size (``megatron_lrattn.analysis.flops``); peak ``--peak-tflops`` (989, H200
+dense bf16). The same F is used for the plain model (same shape).
+
+    python benchmarks/bench_step.py --preset 1b --no-qk-layernorm --vocab-size 32768 \\
+        --micro-batch-size 8 --global-batch-size 8 --arms standard,lr_attnres \\
+        --csv benchmarks/results/step.csv --kernels-csv benchmarks/results/step_kernels.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_common  # noqa: E402
+from plain_gpt import PlainShape, PlainTrainer  # noqa: E402
+
+logger = logging.getLogger("bench_step")
+TOP_KERNELS = 25
+
+
+def _own_flags(argv: Sequence[str]):
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--csv", default=None, help="append one row per model here")
+    p.add_argument("--kernels-csv", default=None, help="append the top kernels per model here")
+    p.add_argument("--no-plain", action="store_true", help="leave the plain model out")
+    p.add_argument("--no-compile", action="store_true", help="plain model without torch.compile")
+    return p.parse_known_args(argv)
+
+
+class _Timed:
+    """Step times, peak memory and losses of one model."""
+
+    def __init__(self, name: str, step, num_params: int, flops_per_token: float):
+        self.name, self.step, self.num_params = name, step, num_params
+        self.flops_per_token = flops_per_token
+        self.times: List[float] = []
+        self.losses: List[float] = []
+        self.peak = 0
+        self.kernels: Dict[str, float] = {}
+
+    def run(self, timed: bool) -> None:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = self.step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        self.losses.append(float(loss))
+        if timed:
+            self.times.append(dt)
+        if cuda:
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+
+    def profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        from megatron_lrattn.profiling.runner import device_kernel_times_us
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                         else [])
+        with profile(activities=acts) as prof:
+            self.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            self.kernels = device_kernel_times_us(prof)
+        else:
+            self.kernels = {e.key: float(e.self_cpu_time_total) for e in prof.key_averages()}
+
+
+def _our_model(arm, args, vocab: int, num_micro: int, batch, device) -> _Timed:
+    """One of our arms, stepped by the training step ``lrattn-pretrain`` runs."""
+    import itertools
+
+    from megatron_lrattn.profiling.arms import arm_args, flops_per_token, model_shape
+    from megatron_lrattn.profiling.runner import build_arm
+
+    run = build_arm(arm, args, vocab, num_micro, device)
+    batches = itertools.repeat(batch)
+    counter = itertools.count(1)
+    flops = flops_per_token(model_shape(arm_args(args, arm), vocab))["total"]
+    return _Timed(f"ours {arm.name}", lambda: run.step.train(batches, next(counter)).loss,
+                  run.step.num_params, flops)
+
+
+def _plain_model(args, vocab: int, batch, compile: bool) -> _Timed:
+    from megatron_lrattn.profiling.arms import flops_per_token, make_arms, arm_args, model_shape
+
+    shape = PlainShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       ffn_hidden_size=args.ffn_hidden_size,
+                       num_attention_heads=args.num_attention_heads,
+                       num_query_groups=args.num_query_groups or args.num_attention_heads,
+                       vocab_size=vocab, seq_length=args.seq_length,
+                       rotary_base=float(args.rotary_base))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = PlainTrainer(shape, device, lr=args.lr, weight_decay=args.weight_decay,
+                           compile=compile, seed=args.seed)
+    tokens, labels = batch["tokens"], batch["labels"]
+    std = make_arms(["standard"], args.hidden_size, 1, args.num_blocks)[0]
+    flops = flops_per_token(model_shape(arm_args(args, std), vocab))["total"]
+    return _Timed("plain compiled" if compile else "plain eager",
+                  lambda: trainer.step(tokens, labels), trainer.num_params(), flops)
+
+
+def _summary(m: _Timed, tokens: int, peak_tflops: float) -> Dict[str, object]:
+    step = statistics.median(m.times)
+    return {"model": m.name, "params": m.num_params, "median_step_ms": round(step * 1e3, 2),
+            "tokens_per_s": round(tokens / step), "mfu": round(
+                m.flops_per_token * tokens / (step * peak_tflops * 1e12), 4),
+            "peak_memory_gib": round(m.peak / 2**30, 2), "steps": len(m.times),
+            "first_loss": round(m.losses[0], 4), "last_loss": round(m.losses[-1], 4)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from megatron_lrattn.cli.profile import parse_args
+    from megatron_lrattn.profiling.runner import synthetic_batch
+    from megatron_lrattn.training.builder import padded_vocab_size
+    from megatron_lrattn.training.runtime import init_runtime, shutdown_runtime
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, rest = _own_flags(argv)
+    args = parse_args(rest)
+    if args.tensor_model_parallel_size * args.pipeline_model_parallel_size != 1:
+        raise SystemExit("bench_step.py: one GPU only (TP = PP = 1)")
+    if args.global_batch_size != args.micro_batch_size:
+        raise SystemExit("bench_step.py: one micro-batch per step (global = micro batch size)")
+    if not torch.cuda.is_available():
+        bench_common.use_cpu_smoke()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rt = init_runtime(1, 1, args.seed)
+    try:
+        vocab = padded_vocab_size(args.vocab_size, 1)
+        batch = synthetic_batch(args.micro_batch_size, args.seq_length, vocab, rt.device,
+                                args.seed)
+        tokens = args.micro_batch_size * args.seq_length
+        models = [_our_model(a, args, vocab, 1, batch, rt.device) for a in args.arm_specs]
+        if not own.no_plain:
+            models.append(_plain_model(args, vocab, batch, compile=not own.no_compile))
+        for m in models:
+            for _ in range(1 + args.warmup_steps + 3):
+                m.run(timed=False)
+            if not m.losses[-1] < m.losses[0]:
+                raise SystemExit(f"bench_step.py: {m.name} does not train (loss {m.losses[0]:.4f}"
+                                 f" -> {m.losses[-1]:.4f} on a fixed batch); no numbers reported")
+            logger.info("%s trains: loss %.4f -> %.4f", m.name, m.losses[0], m.losses[-1])
+        for r in range(args.rounds):
+            for m in models:
+                for _ in range(args.steps_per_round):
+                    m.run(timed=True)
+            logger.info("round %d/%d: %s", r + 1, args.rounds, ", ".join(
+                f"{m.name} {statistics.median(m.times) * 1e3:.1f} ms" for m in models))
+        for m in models:
+            m.profile()
+        rows = [_summary(m, tokens, args.peak_tflops) for m in models]
+        ref = rows[-1]["median_step_ms"] if not own.no_plain else rows[0]["median_step_ms"]
+        base = dict(bench_common.meta(), preset=args.preset, micro_batch_size=args.micro_batch_size,
+                    seq_length=args.seq_length, vocab_size=vocab)
+        print(f"{'model':28s} {'step ms':>9s} {'x ref':>6s} {'MFU':>6s} {'peak GiB':>9s}")
+        for row in rows:
+            row["vs_reference"] = round(row["median_step_ms"] / ref, 4)
+            print(f"{row['model']:28s} {row['median_step_ms']:9.1f} {row['vs_reference']:6.3f} "
+                  f"{row['mfu']:6.1%} {row['peak_memory_gib']:9.2f}")
+        if own.csv:
+            out = [dict(base, **row) for row in rows]
+            bench_common.append_rows(own.csv, list(out[0]), out)
+        krows = []
+        for m in models:
+            total = sum(m.kernels.values()) or 1.0
+            top = sorted(m.kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+            print(f"\ntop kernels of {m.name} (device ms per step, share)")
+            for name, us in top:
+                print(f"  {us / 1e3:8.2f} {us / total:6.1%}  {name[:110]}")
+                krows.append(dict(base, model=m.name, kernel=name[:200],
+                                  ms=round(us / 1e3, 3), share=round(us / total, 4)))
+        if own.kernels_csv:
+            bench_common.append_rows(own.kernels_csv, list(krows[0]), krows)
+        return 0
+    finally:
+        shutdown_runtime()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
