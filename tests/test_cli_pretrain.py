@@ -103,6 +103,12 @@ def test_short_run_writes_metrics_and_checkpoint(trained):
         for field in ("loss", "grad_norm", "lr", "tokens_per_s"):
             assert isinstance(r[field], float) and r[field] == r[field], (field, r)
         assert r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and r["lr"] > 0
+        # MFU at the default 989 TFLOP/s peak; one process, so TFLOP/s per GPU is the step's
+        assert r["tflops_per_gpu"] > 0
+        assert abs(r["mfu"] - r["tflops_per_gpu"] / 989.0) < 1e-12
+    # the FLOPs per token behind TFLOP/s are one number for the whole run
+    per_token = [r["tflops_per_gpu"] * 1e12 / r["tokens_per_s"] for r in train]
+    assert max(per_token) - min(per_token) < 1e-6 * max(per_token)
     assert [r["iteration"] for r in valid] == [0, 3, 6]
     assert (ckpt / "latest").read_text().strip() == "iter_0000006"
     meta = json.loads((ckpt / "iter_0000006" / "lrattn.json").read_text())

@@ -52,13 +52,6 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
-def _pos_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """``lrattn-pretrain``'s model and parallelism flags plus the profiler's own."""
     from megatron_lrattn.profiling.arms import ARM_NAMES
@@ -79,8 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed steps per arm per round (default 3)")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=2,
                    help="untimed steps per arm after its first (build) step (default 2)")
-    g.add_argument("--peak-tflops", type=_pos_float, default=989.0,
-                   help="dense bf16 peak per GPU for MFU (default 989: H100/H200 SXM)")
     g.add_argument("--vocab-size", type=positive_int, default=4096,
                    help="synthetic vocabulary before padding (default 4096, the embedded "
                         "corpus tokenizer's)")

@@ -7,7 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_lrattn.model.config import DEPTH_BACKENDS, DEPTH_SCHEDULES, KEY_TYPES, RESIDUAL_MODES
-from megatron_lrattn.training.arg_types import ArgumentError, positive_int
+from megatron_lrattn.training.arg_types import ArgumentError, positive_float, positive_int
 from megatron_lrattn.training.config_file import load_config_file
 from megatron_lrattn.training.fusions import add_fusion_args
 from megatron_lrattn.training.presets import PRESETS
@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("logging, evaluation, checkpoints")
     g.add_argument("--log-interval", type=positive_int)
+    g.add_argument("--peak-tflops", type=positive_float, default=989.0,
+                   help="dense bf16 peak per GPU for the logged MFU (default 989: H100/H200 "
+                        "SXM); MFU = lrattn-flops' model FLOPs per token x tokens / (step "
+                        "time x GPUs x peak)")
     g.add_argument("--eval-interval", type=positive_int)
     g.add_argument("--eval-iters", type=positive_int)
     g.add_argument("--log-json", default=None, help="JSON-lines metrics file")

@@ -86,6 +86,15 @@ class MetricsWriter:
             self.f.close()
 
 
+def train_flops_per_token(args: argparse.Namespace, vocab_size: int) -> int:
+    """Forward + backward FLOPs per token of the MFU formula (``lrattn-flops``: 6 M + 12 L s a
+    k, plus three times the depth reads' forward FLOPs)."""
+    from megatron_lrattn.analysis.flops import ModelShape, forward_flops, model_flops_per_token
+
+    shape = ModelShape.from_args(args, vocab_size)
+    return model_flops_per_token(shape) + 3 * forward_flops(shape).depth_reads
+
+
 def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> TrainResult:
     """Run pretraining as configured by ``args`` (from ``parse_args``)."""
     from megatron.core import parallel_state as ps
@@ -117,7 +126,8 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         cache_dir=os.path.join(args.cache_dir, "index") if args.cache_dir else None,
     )
 
-    step = build_train_step(args, config, padded_vocab_size(tokenizer.vocab_size, rt.tp),
+    vocab = padded_vocab_size(tokenizer.vocab_size, rt.tp)
+    step = build_train_step(args, config, vocab,
                             num_micro, rt.device)
     models, optimizer, scheduler = step.models, step.optimizer, step.scheduler
     if args.save:
@@ -170,6 +180,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     train_iter = _per_chunk(lambda: _batches(train_ds, consumed, mbs, dp_rank, rt.dp),
                             len(models))
     tokens_per_step = gbs * args.seq_length
+    step_flops = train_flops_per_token(args, vocab) * tokens_per_step
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         try:
@@ -188,17 +199,21 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         record = {"type": "train", "iteration": iteration, "loss": loss,
                   "grad_norm": result.grad_norm, "lr": lr,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                  "tflops_per_gpu": step_flops / (dt * rt.world_size) / 1e12,
                   "consumed_samples": consumed, "skipped": not result.ok,
                   "nonfinite": result.nonfinite,
                   "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
                                       if torch.cuda.is_available() else None)}
+        record["mfu"] = record["tflops_per_gpu"] / args.peak_tflops
         metrics.write(record)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if iteration % args.log_interval == 0:
-            logger.info("iter %d loss %.4f grad_norm %s lr %.3e tokens/s %.0f", iteration, loss,
-                        record["grad_norm"], lr, tokens_per_step / dt)
+            gn = record["grad_norm"]
+            logger.info("iter %d loss %.4f grad_norm %s lr %.3e tokens/s %.0f TFLOP/s/GPU %.1f "
+                        "MFU %.1f%%", iteration, loss, "skipped" if gn is None else f"{gn:.4g}",
+                        lr, tokens_per_step / dt, record["tflops_per_gpu"], 100 * record["mfu"])
         if iteration % args.eval_interval == 0 or iteration == args.train_iters:
             last_valid = evaluate()
             metrics.write({"type": "valid", "iteration": iteration, "loss": last_valid})

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
-SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s")
+SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu")
 
 
 class TensorBoardSink:
