@@ -151,8 +151,9 @@ def provenance() -> Dict[str, str]:
         sha = sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         sha = ""
-    # A copy that is not a checkout (e.g. on a GPU test machine) names its commit in GIT_SHA.
-    sha = sha if sha and sha != "-dirty" else os.environ.get("GIT_SHA", "unknown")
+    # A copy on another machine names its commit in GIT_SHA, which wins: such a copy can sit
+    # beside a stale .git of another commit.
+    sha = os.environ.get("GIT_SHA") or (sha if sha and sha != "-dirty" else "unknown")
     try:
         from megatron.core import __version__ as mcore
     except ImportError:
