@@ -112,3 +112,29 @@ def test_block_smoke_rows_are_checked(tmp_path):
             for p in ("fwd", "fwdbwd"):
                 assert (keys, r, f"block_K3_{arm}", p) in got, (keys, arm, p)
     assert all(r["check"].startswith("ok") for r in rows), [r["check"] for r in rows]
+
+
+STEP = ROOT / "benchmarks" / "bench_step.py"
+
+
+@pytest.mark.slow
+def test_step_benchmark_smoke_writes_rows_for_ours_and_plain(tmp_path):
+    """bench_step.py on CPU: our arms and the plain model train, are timed and profiled, and
+    each gets a row (ratio to the plain model) and its top kernels."""
+    rows_csv, kernels_csv = tmp_path / "step.csv", tmp_path / "kernels.csv"
+    proc = subprocess.run(
+        [sys.executable, str(STEP), "--preset", "tiny", "--num-layers", "2", "--seq-length",
+         "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--arms",
+         "standard,lr_attnres", "--rounds", "2", "--steps-per-round", "1", "--no-compile",
+         "--csv", str(rows_csv), "--kernels-csv", str(kernels_csv)],
+        capture_output=True, text=True, env=dict(ENV, GIT_SHA="test"), cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(rows_csv.open()))
+    assert [r["model"] for r in rows] == ["ours standard", "ours lr_attnres", "plain eager"]
+    assert rows[-1]["vs_reference"] == "1.0"
+    assert all(float(r["last_loss"]) < float(r["first_loss"]) for r in rows)
+    # the same shape: the plain model has exactly our standard arm's parameters
+    assert rows[0]["params"] == rows[-1]["params"]
+    assert all(r["git_sha"] == "test" and r["gpu"] == "cpu-interpreter" for r in rows)
+    kernels = list(csv.DictReader(kernels_csv.open()))
+    assert {k["model"] for k in kernels} == {r["model"] for r in rows}

@@ -61,6 +61,18 @@ def test_fused_adamw_switch_leaves_cpu_optimizers_alone():
     assert not opt.param_groups[0]["fused"]
 
 
+def test_fused_adamw_switch_can_be_turned_back():
+    """A loaded checkpoint's parameter groups carry the writer's setting; the switch resets
+    it either way (here: groups saved as fused, then set for an unfused run)."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([p])
+    opt.param_groups[0].update(fused=True, foreach=False)
+    assert use_fused_adamw(_Wrapper(opt), enabled=False) == 0
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is None
+    p.grad = torch.ones(3)
+    opt.step()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_adamw_matches_multi_tensor_adamw_on_cuda():
@@ -71,6 +83,7 @@ def test_fused_adamw_matches_multi_tensor_adamw_on_cuda():
     oa = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1)
     ob = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
     assert use_fused_adamw(_Wrapper(ob)) == 1
+    assert ob.param_groups[0]["fused"] and not oa.param_groups[0]["fused"]
     for _ in range(5):
         grads = [torch.randn(x.shape, device="cuda", generator=g) for x in ps]
         for pa, pb, gr in zip(a, b, grads):

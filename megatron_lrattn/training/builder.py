@@ -173,8 +173,7 @@ def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namesp
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, models)
-    if getattr(args, "fused_adamw", True):
-        use_fused_adamw(optimizer)
+    use_fused_adamw(optimizer, getattr(args, "fused_adamw", True))
     wsd_iters = None
     if args.lr_decay_style == "WSD":
         wsd_iters = args.lr_wsd_decay_iters or max(1, args.train_iters // 5)

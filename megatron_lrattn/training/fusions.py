@@ -57,12 +57,16 @@ def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:
     return out
 
 
-def use_fused_adamw(optimizer) -> int:
-    """Switch every torch ``Adam``/``AdamW`` inside a megatron optimizer whose parameters are
-    all CUDA floating-point tensors to the fused implementation.
+def use_fused_adamw(optimizer, enabled: bool = True) -> int:
+    """Set every torch ``Adam``/``AdamW`` inside a megatron optimizer to the fused
+    implementation where all its parameters are CUDA floating-point tensors and ``enabled``,
+    else back to torch's default choice. Called after building the optimizer and again after
+    loading a checkpoint, whose saved parameter groups carry the setting of the run that
+    wrote it.
 
     Returns:
-        The number of torch optimizers switched (0 on CPU or with TE's/Apex's fused Adam).
+        The number of torch optimizers set to fused (0 on CPU, with ``enabled=False`` or with
+        TE's/Apex's fused Adam).
     """
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     switched = 0
@@ -71,12 +75,13 @@ def use_fused_adamw(optimizer) -> int:
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         params = [p for g in inner.param_groups for p in g["params"]]
-        if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
-            continue
-        inner.defaults.update(fused=True, foreach=False)
+        fused = enabled and bool(params) and all(p.is_cuda and p.is_floating_point()
+                                                 for p in params)
+        setting = dict(fused=True, foreach=False) if fused else dict(fused=None, foreach=None)
+        inner.defaults.update(setting)
         for group in inner.param_groups:
-            group.update(fused=True, foreach=False)
-        switched += 1
+            group.update(setting)
+        switched += fused
     if switched:
         logger.info("optimizer: torch fused AdamW (%d parameter set%s)", switched,
                     "s" if switched > 1 else "")

@@ -21,6 +21,7 @@ from megatron_lrattn.training.builder import padded_vocab_size, virtual_stages
 from megatron_lrattn.training.checkpoint import check_save_space, load_checkpoint
 from megatron_lrattn.training.checkpointer import Checkpointer
 from megatron_lrattn.training.determinism import enable_deterministic
+from megatron_lrattn.training.fusions import use_fused_adamw
 from megatron_lrattn.training.numerics import NonFiniteError
 from megatron_lrattn.training.runtime import Runtime, init_runtime, provenance
 from megatron_lrattn.training.step import (
@@ -136,6 +137,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     iteration, consumed = 0, 0
     if args.load:
         meta = load_checkpoint(args.load, models, optimizer, scheduler, config)
+        use_fused_adamw(optimizer, args.fused_adamw)  # not the saved run's setting
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
     info = dict(provenance(), params=step.num_params, world_size=rt.world_size, tp=rt.tp,
                 pp=rt.pp, dp=rt.dp, residual=config.residual, key=config.key_type,
