@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training.fusions import fusion_config, use_fused_adamw
 from megatron_lrattn.model.gpt import LRAttnResGPTModel
+from megatron_lrattn.model.init import init_by_global_name
 from megatron_lrattn.model.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
 
 
@@ -91,7 +92,9 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
 
 def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: int,
                 vp_stage=None):
-    """This rank's model chunk (pre/post-process from its pipeline position).
+    """This rank's model chunk (pre/post-process from its pipeline position), its initial
+    weights drawn from ``args.seed`` and each parameter's global name
+    (``megatron_lrattn.model.init``), so every layout starts from the same model.
 
     Args:
         vp_stage: virtual pipeline stage of the chunk (interleaved schedule), else None.
@@ -113,6 +116,8 @@ def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: i
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    if config.perform_initialization:
+        init_by_global_name(model, config, args.seed)
     return model
 
 
