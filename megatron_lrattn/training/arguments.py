@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=positive_int, default=None)
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let a run that does not resume from --save write over the "
+                        "checkpoints already in it (refused by default)")
     g.add_argument("--exit-interval", type=positive_int, default=None,
                    help="stop after the first iteration that is a multiple of N (saving when "
                         "--save is given); the LR schedule still spans --train-iters")

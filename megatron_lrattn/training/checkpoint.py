@@ -8,11 +8,12 @@ Layout of ``--save DIR``::
     DIR/iter_0000300/lrattn.json iteration, consumed samples, LR schedule, model settings
     DIR/latest                   name of the newest complete checkpoint
 
-A checkpoint is written to ``iter_N.tmp`` and renamed when every rank has finished, and
-``latest`` is replaced atomically afterwards, so an interrupted save never damages the last
-good checkpoint. With ``keep_last`` older complete checkpoints are deleted after a save
-succeeded (never the one ``latest`` names). An asynchronous save (GPU) writes the shards in a
-background process; the rename, ``latest`` and pruning happen when it is finalized.
+A checkpoint is written to ``iter_N.tmp`` and renamed when every rank has finished (a folder
+of the same name that exists is replaced atomically: ``durable.replace_dir``), and
+``latest`` is replaced atomically afterwards (written, fsynced, renamed), so an interrupted
+save never damages the last good checkpoint. With ``keep_last`` older complete checkpoints
+are deleted after a save succeeded (never the one ``latest`` names). An asynchronous save writes the shards in a background process; the rename,
+``latest`` and pruning happen when it is finalized.
 
 The distributed optimizer's state is saved in megatron's ``dp_reshardable`` format by default
 (each rank writes its own shard; the checkpoint loads at any data-parallel size but the same
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from functools import partial
 from typing import Any, Dict, List, Optional
@@ -33,16 +33,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrattn.training import faults
+from megatron_lrattn.training.durable import disk_error, fsync_dir, replace_dir, replace_file, write_durably
 from megatron_lrattn.training.adam_state import (
     fully_reshardable_adam_load,
     init_empty_adam_state,
     restore_adam_steps,
 )
 from megatron_lrattn.training.checkpoint_io import (
+    ITER_NAME,
     META_NAME,
     CheckpointError,
     check_compatible,
     latest_checkpoint,
+    latest_name,
     load_state,
     model_settings,
     model_sharded_state_dict,
@@ -51,7 +54,6 @@ from megatron_lrattn.training.checkpoint_io import (
 )
 
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
-_ITER_NAME = re.compile(r"iter_\d{7}")
 
 
 def _barrier() -> None:
@@ -62,7 +64,7 @@ def _barrier() -> None:
 def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, scheduler,
                     config, consumed_samples: int, args: Optional[Dict[str, Any]] = None, *,
                     keep_last: Optional[int] = None, optim_sharding: str = "dp_reshardable",
-                    async_queue=None) -> str:
+                    async_queue=None, records: Optional[Dict[str, Any]] = None) -> str:
     """Save model and optimizer state.
 
     Args:
@@ -76,6 +78,8 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
         async_queue: a ``megatron.core.dist_checkpointing`` ``AsyncCallsQueue``: write the
             shards in the background; the checkpoint becomes ``latest`` when the caller
             finalizes the request (``async_queue.maybe_finalize_async_calls``).
+        records: more entries of ``lrattn.json`` (``architecture``, ``data``: what a load
+            compares, see ``checkpoint_io.check_compatible``).
 
     Returns:
         The checkpoint folder (complete once a synchronous save returns).
@@ -101,48 +105,41 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
         "model_settings": model_settings(config),
         "optimizer_sharding": optim_sharding,
         "args": args or {},
+        **(records or {}),
     }
     finalize = partial(_finalize_save, save_dir, name, meta, keep_last)
     with single_threaded_on_cpu():
-        if async_queue is None:
-            try:
+        try:
+            if async_queue is None:
                 dist_checkpointing.save(state, tmp)
                 faults.after_checkpoint_shards(iteration)
                 finalize()
-            except Exception as e:  # noqa: BLE001 - megatron wraps OSErrors in its own types
-                _raise_write_error(e, save_dir, tmp)
-                raise
-        else:
-            request = dist_checkpointing.save(state, tmp, async_sharded_save=True)
-            request.add_finalize_fn(finalize)
-            async_queue.schedule_async_request(request)
+            else:
+                request = dist_checkpointing.save(state, tmp, async_sharded_save=True)
+                request.add_finalize_fn(finalize)
+                async_queue.schedule_async_request(request)
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            _raise_write_error(e, save_dir, tmp)
+            raise
     return final
-
-
-def _os_error(e: BaseException) -> Optional[OSError]:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OSError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _raise_write_error(e: BaseException, save_dir: str, tmp: str) -> None:
     """A save that failed on the file system (disk full, permissions, I/O): drop the
     partial ``.tmp`` folder and raise a one-line ``CheckpointError`` (``latest`` and every
     complete checkpoint are untouched). Other errors are left to the caller."""
-    err = _os_error(e)
+    if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+        return
+    err = disk_error(e)
     if err is None:
         return
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with open(os.path.join(save_dir, "latest")) as f:
-            kept = f"{f.read().strip()} is still the latest checkpoint"
-    except OSError:
-        kept = "no earlier checkpoint"
+        name = latest_name(save_dir)
+    except CheckpointError:
+        name = None
+    kept = f"{name} is still the latest checkpoint" if name else "no earlier checkpoint"
     raise CheckpointError(f"{tmp}: checkpoint save failed ({err.strerror or err}); {kept}"
                           ) from None
 
@@ -190,21 +187,6 @@ def check_save_space(save_dir: str, n_params: int, bf16: bool, dp: int = 1) -> i
     return need
 
 
-def _write_durably(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -217,19 +199,17 @@ def _optim_metadata(optim_sharding: str) -> Dict[str, Any]:
 
 def _finalize_save(save_dir: str, name: str, meta: Dict[str, Any], keep_last: Optional[int]
                    ) -> None:
-    """After every rank wrote its shards: meta file, rename, ``latest``, pruning."""
+    """After every rank wrote its shards: meta file, rename (replacing a folder of that
+    name atomically), ``latest``, pruning."""
     _barrier()
     if _is_rank0():
         final = os.path.join(save_dir, name)
         tmp = final + ".tmp"
-        _write_durably(os.path.join(tmp, META_NAME), json.dumps(meta, indent=1, default=str))
+        write_durably(os.path.join(tmp, META_NAME), json.dumps(meta, indent=1, default=str))
+        fsync_dir(tmp)
         faults.before_checkpoint_rename(meta["iteration"])
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = os.path.join(save_dir, "latest.tmp")
-        _write_durably(latest_tmp, name + "\n")
-        os.replace(latest_tmp, os.path.join(save_dir, "latest"))
-        _fsync_dir(save_dir)
+        replace_dir(tmp, final)
+        replace_file(os.path.join(save_dir, "latest"), name + "\n")
         if keep_last is not None:
             prune_checkpoints(save_dir, keep_last)
     _barrier()
@@ -240,29 +220,36 @@ def complete_checkpoints(save_dir: str) -> List[str]:
     ``lrattn.json``), oldest first."""
     if not os.path.isdir(save_dir):
         return []
-    names = [n for n in os.listdir(save_dir) if _ITER_NAME.fullmatch(n)
+    names = [n for n in os.listdir(save_dir) if ITER_NAME.fullmatch(n)
              and os.path.isfile(os.path.join(save_dir, n, META_NAME))]
     return sorted(names)
 
 
 def prune_checkpoints(save_dir: str, keep_last: int) -> List[str]:
     """Delete all but the newest ``keep_last`` complete checkpoints, never the one ``latest``
-    names; returns the deleted names. Incomplete ``.tmp`` folders are left alone."""
+    names (nothing at all when ``latest`` names no complete checkpoint); returns the
+    deleted names. Incomplete ``.tmp`` folders are left alone; ``.deleting`` folders of an
+    interrupted earlier pruning are removed."""
     if keep_last < 1:
         raise CheckpointError(f"keep_last {keep_last}: must keep at least 1 checkpoint")
-    names = complete_checkpoints(save_dir)
     try:
-        with open(os.path.join(save_dir, "latest")) as f:
-            latest = f.read().strip()
-    except OSError:
+        latest = latest_name(save_dir)
+    except CheckpointError:
         latest = None
+    if latest is None or not os.path.isfile(os.path.join(save_dir, latest, META_NAME)):
+        return []
+    names = complete_checkpoints(save_dir)
     deleted = [n for n in names[:-keep_last] if n != latest]
     for n in deleted:
-        # Rename first: a crash mid-delete leaves a .tmp-like folder, never a half checkpoint
-        # that looks complete.
+        # Rename first: a crash mid-delete leaves a .deleting folder, never a half
+        # checkpoint that looks complete.
         doomed = os.path.join(save_dir, n + ".deleting")
         os.replace(os.path.join(save_dir, n), doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+    if deleted:
+        fsync_dir(save_dir)
+    for n in os.listdir(save_dir):
+        if n.endswith(".deleting") and ITER_NAME.fullmatch(n[:-len(".deleting")]):
+            shutil.rmtree(os.path.join(save_dir, n), ignore_errors=True)
     return deleted
 
 
@@ -299,11 +286,16 @@ def check_optimizer_layout(meta: Dict[str, Any], config, path: str) -> None:
             "layout)")
 
 
-def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config) -> Dict[str, Any]:
-    """Load the newest checkpoint into ``models``/``optimizer``/``scheduler``; returns its meta."""
+def load_checkpoint(load_dir: str, models: List, optimizer, scheduler, config,
+                    records: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Load the newest checkpoint into ``models``/``optimizer``/``scheduler``; returns its meta.
+
+    ``records`` (``architecture``, ``data``: what this run would save) are compared with
+    the checkpoint's before any tensor is read (``checkpoint_io.check_compatible``)."""
     path = latest_checkpoint(load_dir)
     meta = read_meta(path)
-    check_compatible(meta, config, path)
+    records = records or {}
+    check_compatible(meta, config, path, records.get("architecture"), records.get("data"))
     check_optimizer_layout(meta, config, path)
     model_sd = model_sharded_state_dict(models)
     init_empty_adam_state(optimizer)

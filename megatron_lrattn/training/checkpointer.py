@@ -5,7 +5,9 @@ interval saves, the exit-signal handler (save at the end of the current iteratio
 leave the loop), asynchronous saves (megatron's ``AsyncCallsQueue``: the shards are staged
 in host memory and written by a forked process while training continues; the previous save
 is finalized before the next starts and before the run ends; meant for GPU runs, and it also
-works on the CPU) and ``--keep-last`` pruning.
+works on the CPU) and ``--keep-last`` pruning. A pending asynchronous save is finalized on
+every way out of the loop: the end, SIGTERM, a non-finite stop, Ctrl-C or an exception
+(:meth:`abort`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import logging
 import os
 import threading
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from megatron_lrattn.training.checkpoint import save_checkpoint
 from megatron_lrattn.training.signals import ExitSignalHandler
@@ -31,17 +33,23 @@ class Checkpointer:
             ``dist_ckpt_optim_fully_reshardable``).
         models, optimizer, scheduler, config: what is saved.
 
+        records: more ``lrattn.json`` entries of every save (``architecture``, ``data``).
+        loaded: the iteration loaded from ``--load`` when that is the ``--save`` folder (it
+            is not saved again unless training moved on).
+
     The exit-signal handler is installed here (main thread only) and removed by
-    :meth:`finish`.
+    :meth:`finish` or :meth:`abort`.
     """
 
-    def __init__(self, args: argparse.Namespace, models: List, optimizer, scheduler, config):
+    def __init__(self, args: argparse.Namespace, models: List, optimizer, scheduler, config,
+                 records: Optional[Dict[str, Any]] = None, loaded: Optional[int] = None):
         self.args = args
         self.models, self.optimizer, self.scheduler, self.config = models, optimizer, scheduler, config
         self.save_dir: Optional[str] = args.save
+        self.records = records
         self.optim_sharding = ("fully_reshardable" if args.dist_ckpt_optim_fully_reshardable
                                else "dp_reshardable")
-        self.last_saved: Optional[int] = None
+        self.last_saved: Optional[int] = loaded
         self.queue = None
         if self.save_dir and args.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -59,7 +67,8 @@ class Checkpointer:
         path = save_checkpoint(self.save_dir, iteration, self.models, self.optimizer,
                                self.scheduler, self.config, consumed_samples, vars(self.args),
                                keep_last=self.args.keep_last,
-                               optim_sharding=self.optim_sharding, async_queue=self.queue)
+                               optim_sharding=self.optim_sharding, async_queue=self.queue,
+                               records=self.records)
         self.last_saved = iteration
         return path
 
@@ -89,9 +98,25 @@ class Checkpointer:
             if self.queue is not None:
                 self.queue.maybe_finalize_async_calls(blocking=True)
                 self.queue.close()
+                self.queue = None
         finally:
             self.close()
         return path
+
+    def abort(self) -> None:
+        """Leave after an error (non-finite stop, Ctrl-C, an exception): complete and
+        finalize a pending asynchronous save so that it becomes ``latest``, save nothing
+        new, remove the signal handler. Errors of the finalization are logged, not raised
+        (the error that ended the run is the one reported)."""
+        try:
+            if self.queue is not None:
+                self.queue.maybe_finalize_async_calls(blocking=True)
+                self.queue.close()
+                self.queue = None
+        except BaseException as e:  # noqa: BLE001 - report the original error instead
+            logger.error("pending asynchronous checkpoint not finalized: %s", e)
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Remove the signal handler (idempotent)."""

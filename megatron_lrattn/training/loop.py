@@ -18,11 +18,12 @@ from megatron_lrattn.data.tokenizer import HFTokenizer
 from megatron_lrattn.depth.state import uses_two_phase
 from megatron_lrattn.depth.payload import log_pipeline_payloads
 from megatron_lrattn.training.builder import padded_vocab_size, virtual_stages
+from megatron_lrattn.data.datasets import parse_blend
 from megatron_lrattn.training.checkpoint import check_save_space, load_checkpoint
+from megatron_lrattn.training.checkpoint_io import architecture, data_identity
 from megatron_lrattn.training.checkpointer import Checkpointer
 from megatron_lrattn.training.determinism import enable_deterministic
 from megatron_lrattn.training.fusions import use_fused_adamw
-from megatron_lrattn.training.numerics import NonFiniteError
 from megatron_lrattn.training.runtime import Runtime, init_runtime, provenance
 from megatron_lrattn.training.step import (
     build_train_step,
@@ -64,13 +65,28 @@ def _per_chunk(make: Callable[[], Iterator[Dict]], n_chunks: int):
 
 
 class MetricsWriter:
-    """JSON-lines metrics file (rank 0 only); appends when resuming."""
+    """JSON-lines metrics file (rank 0 only).
 
-    def __init__(self, path: Optional[str], resume: bool, enabled: bool):
+    A resumed run (``resume_from`` = the loaded iteration) appends, after dropping the
+    records of iterations after ``resume_from`` (a killed run logged them, the resumed run
+    replays them); ``dropped`` counts them and the run record says so. A fresh run
+    replaces the file (with a warning when it held records).
+    """
+
+    def __init__(self, path: Optional[str], resume_from: Optional[int], enabled: bool):
         self.f = None
+        self.dropped = 0
         if path and enabled:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.f = open(path, "a" if resume else "w")
+            if resume_from is not None and os.path.isfile(path):
+                self.dropped = _drop_replayed(path, resume_from)
+                if self.dropped:
+                    logger.warning("%s: dropped %d records after iteration %d (the resumed "
+                                   "run writes them again)", path, self.dropped, resume_from)
+            elif resume_from is None and os.path.isfile(path) and os.path.getsize(path):
+                logger.warning("%s: replaced (a fresh run; the records in it are dropped)",
+                               path)
+            self.f = open(path, "a" if resume_from is not None else "w")
 
     def write(self, record: Dict) -> None:
         """Append one record; non-finite numbers (a skipped step's loss) are written as
@@ -87,6 +103,29 @@ class MetricsWriter:
             self.f.close()
 
 
+def _drop_replayed(path: str, iteration: int) -> int:
+    """Rewrite ``path`` (atomically) without the records of iterations after
+    ``iteration``; returns how many were dropped. Unparseable lines (a torn last line of
+    a killed run) are dropped too."""
+    from megatron_lrattn.training.durable import replace_file
+
+    kept, dropped = [], 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                dropped += bool(line.strip())
+                continue
+            if isinstance(record, dict) and (record.get("iteration") or 0) > iteration:
+                dropped += 1
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        replace_file(path, "".join(kept))
+    return dropped
+
+
 def train_flops_per_token(args: argparse.Namespace, vocab_size: int) -> int:
     """Forward + backward FLOPs per token of the MFU formula (``lrattn-flops``: 6 M + 12 L s a
     k, plus three times the depth reads' forward FLOPs)."""
@@ -97,7 +136,23 @@ def train_flops_per_token(args: argparse.Namespace, vocab_size: int) -> int:
 
 
 def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> TrainResult:
-    """Run pretraining as configured by ``args`` (from ``parse_args``)."""
+    """Run pretraining as configured by ``args`` (from ``parse_args``).
+
+    The ``--save`` folder is locked for the run (rank 0; ``save_lock``): a second run
+    writing it is refused before anything is written."""
+    from megatron_lrattn.training.save_lock import SaveFolderLock
+
+    lock = None
+    if args.save and os.environ.get("RANK", "0") == "0":
+        lock = SaveFolderLock(args.save).acquire()
+    try:
+        return _pretrain(args, runtime)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResult:
     from megatron.core import parallel_state as ps
 
     check_sequence_parallel(args)
@@ -134,9 +189,11 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     if args.save:
         check_save_space(args.save, step.num_params, config.bf16, rt.dp)
 
+    records = {"architecture": architecture(args, config, tokenizer.vocab_size),
+               "data": data_identity(*parse_blend(data_path), split, tokenizer_dir)}
     iteration, consumed = 0, 0
     if args.load:
-        meta = load_checkpoint(args.load, models, optimizer, scheduler, config)
+        meta = load_checkpoint(args.load, models, optimizer, scheduler, config, records)
         use_fused_adamw(optimizer, args.fused_adamw)  # not the saved run's setting
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
     info = dict(provenance(), params=step.num_params, world_size=rt.world_size, tp=rt.tp,
@@ -165,9 +222,28 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
         return step.evaluate(valid_batches, args.eval_iters)
 
     # From here on SIGTERM saves and exits instead of killing the run.
-    checkpointer = Checkpointer(args, models, optimizer, scheduler, config)
-    metrics = with_trackers(MetricsWriter(args.log_json, resume=bool(args.load),
-                                          enabled=rt.is_main), args, enabled=rt.is_main)
+    same_folder = bool(args.load and args.save) and (
+        os.path.realpath(args.load) == os.path.realpath(args.save))
+    checkpointer = Checkpointer(args, models, optimizer, scheduler, config, records,
+                                loaded=iteration if same_folder else None)
+    writer = MetricsWriter(args.log_json, resume_from=iteration if args.load else None,
+                           enabled=rt.is_main)
+    metrics = with_trackers(writer, args, enabled=rt.is_main)
+    try:
+        return _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate,
+                      train_ds, dp_rank, vocab, iteration, consumed,
+                      dict(info, **({"resumed_from": iteration, "dropped_records":
+                                     writer.dropped} if args.load else {})))
+    except BaseException:
+        checkpointer.abort()
+        metrics.close()
+        raise
+
+
+def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, train_ds,
+           dp_rank, vocab, iteration, consumed, info) -> TrainResult:
+    """The loop from the first evaluation to the final checkpoint."""
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
     metrics.write({"type": "run", **info})
     bar = None
     if rt.is_main and not args.no_progress:
@@ -185,12 +261,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     step_flops = train_flops_per_token(args, vocab) * tokens_per_step
     while iteration < args.train_iters:
         t0 = time.perf_counter()
-        try:
-            result = step.train(train_iter, iteration + 1)
-        except NonFiniteError:
-            checkpointer.close()
-            metrics.close()
-            raise
+        result = step.train(train_iter, iteration + 1)
         loss = result.loss
         if result.nonfinite is not None:
             logger.warning("iteration %d skipped: %s", iteration + 1, result.nonfinite)

@@ -6,8 +6,9 @@ import argparse
 import importlib.util
 import math
 import os
+import re
 import tempfile
-from typing import List
+from typing import List, Optional
 
 from megatron_lrattn.training.arg_types import ArgumentError
 
@@ -47,6 +48,103 @@ def _check_writable(flag: str, path: str, parent: str, is_dir: bool) -> None:
         raise ArgumentError(f"{flag}: {where} is not writable ({e.strerror})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+_SPLIT = re.compile(r"\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*")
+_SEED_MAX = 2**31 - 1
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Optimizer, schedule, init and seed values torch, numpy or megatron would fail on
+    (or train silently wrong with): NaN, infinities, negative decay, betas outside [0, 1)."""
+    def value(flag):
+        return getattr(args, flag.lstrip("-").replace("-", "_"), None)
+
+    for flag, lo, lo_open, hi in (
+            ("--lr", 0.0, True, None), ("--min-lr", 0.0, False, None),
+            ("--weight-decay", 0.0, False, None), ("--clip-grad", 0.0, False, None),
+            ("--adam-beta1", 0.0, False, 1.0), ("--adam-beta2", 0.0, False, 1.0),
+            ("--init-method-std", 0.0, True, None), ("--key-norm-eps", 0.0, True, None)):
+        v = value(flag)
+        if v is None:
+            continue
+        bad = not math.isfinite(v) or v < lo or (lo_open and v == lo) or (
+            hi is not None and v >= hi)
+        if bad:
+            want = (f"in [{lo:g}, {hi:g})" if hi is not None else
+                    f"a finite number {'>' if lo_open else '>='} {lo:g}")
+            raise ArgumentError(f"{flag} {v}: must be {want}")
+    if not 0 <= args.seed <= _SEED_MAX:
+        raise ArgumentError(f"--seed {args.seed}: must be in [0, {_SEED_MAX}] (numpy's and "
+                            "megatron's generators take 32-bit seeds)")
+    if args.rotary_base is not None and args.rotary_base <= 0:
+        raise ArgumentError(f"--rotary-base {args.rotary_base}: must be > 0")
+    wsd = args.lr_wsd_decay_iters
+    if wsd is not None and not 1 <= wsd <= args.train_iters:
+        raise ArgumentError(f"--lr-wsd-decay-iters {wsd}: must be in [1, --train-iters "
+                            f"({args.train_iters})]")
+
+
+def _check_split(split: str) -> None:
+    """``--split``: up to three non-negative shares (train, valid, test); train and valid
+    must be non-empty (the run trains and evaluates)."""
+    if not isinstance(split, str) or not _SPLIT.fullmatch(split):
+        raise ArgumentError(f"--split {split!r}: give train,valid,test shares, e.g. 969,30,1")
+    shares = [float(x) for x in re.split(r"[,/]", split)] + [0.0, 0.0]
+    if not shares[0] > 0 or not shares[1] > 0:
+        raise ArgumentError(f"--split {split}: the train and valid shares must be > 0 (the "
+                            "run trains on one and evaluates on the other), e.g. 98,2,0")
+
+
+def _check_layout(args: argparse.Namespace) -> None:
+    """Batch, sequence-parallel, position and depth-backend combinations."""
+    tp = args.tensor_model_parallel_size
+    if args.global_batch_size % args.micro_batch_size:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple "
+                            f"of --micro-batch-size {args.micro_batch_size}")
+    if args.sequence_parallel and tp == 1:
+        raise ArgumentError("--sequence-parallel splits activations over tensor-parallel ranks: "
+                            "it needs --tensor-model-parallel-size > 1")
+    if (args.position_embedding_type == "learned_absolute"
+            and args.seq_length > args.max_position_embeddings):
+        raise ArgumentError(f"--seq-length {args.seq_length} > --max-position-embeddings "
+                            f"{args.max_position_embeddings} (learned position embeddings)")
+    if args.depth_backend == "triton":
+        import torch
+
+        if importlib.util.find_spec("triton") is None:
+            raise ArgumentError("--depth-backend triton needs the triton package")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ArgumentError("--depth-backend triton needs a CUDA GPU (or TRITON_INTERPRET=1 "
+                                "for the slow interpreter); use --depth-backend torch or auto")
+
+
+def held_checkpoints(save_dir: str) -> Optional[str]:
+    """What ``save_dir`` holds that a fresh run would overwrite (``latest`` or complete
+    checkpoints), described in a few words; None for an empty or new folder."""
+    from megatron_lrattn.training.checkpoint_io import ITER_NAME, META_NAME
+
+    if not os.path.isdir(save_dir):
+        return None
+    names = sorted(n for n in os.listdir(save_dir) if ITER_NAME.fullmatch(n)
+                   and os.path.isfile(os.path.join(save_dir, n, META_NAME)))
+    if os.path.isfile(os.path.join(save_dir, "latest")):
+        return f"latest, {len(names)} complete checkpoint(s)"
+    return f"{len(names)} complete checkpoint(s), newest {names[-1]}" if names else None
+
+
+def _check_overwrite(args: argparse.Namespace) -> None:
+    """A run that does not resume from ``--save`` must not write over its checkpoints."""
+    if args.save is None or getattr(args, "overwrite_checkpoints", False):
+        return
+    held = held_checkpoints(args.save)
+    if held is None:
+        return
+    if args.load is not None and os.path.realpath(args.load) == os.path.realpath(args.save):
+        return
+    raise ArgumentError(f"--save {args.save} already holds checkpoints ({held}); resume with "
+                        f"--load {args.save}, or choose another --save folder "
+                        "(--overwrite-checkpoints writes over them)")
 
 
 def _check_transformer_engine(args: argparse.Namespace) -> None:
@@ -127,7 +225,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--rank applies only to --residual attnres/lr_attnres")
     if args.residual == "attnres" and args.key != "sliced":
         raise ArgumentError("--key projected needs --residual lr_attnres (attnres keys are the sources)")
-    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+    if not (math.isfinite(args.lr) and math.isfinite(args.min_lr)) or (
+            args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr):
         raise ArgumentError(f"--lr {args.lr} / --min-lr {args.min_lr}: need 0 <= min-lr <= lr, lr > 0")
     if not 0 <= args.lr_warmup_iters < args.train_iters:
         raise ArgumentError(
@@ -148,6 +247,9 @@ def validate_args(args: argparse.Namespace) -> None:
             )
     if not (math.isfinite(args.depth_scale) and args.depth_scale > 0):
         raise ArgumentError(f"--depth-scale {args.depth_scale} must be a finite number > 0")
+    _check_numbers(args)
+    _check_split(args.split)
+    _check_layout(args)
     _check_transformer_engine(args)
     if args.data_path is not None:
         for prefix in _data_prefixes(args.data_path):
@@ -167,8 +269,9 @@ def validate_args(args: argparse.Namespace) -> None:
     for flag in ("keep_last", "async_save", "save_interval"):
         if getattr(args, flag) and args.save is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --save")
-    for flag in ("save", "log_json"):
-        path = getattr(args, flag)
+    _check_overwrite(args)
+    for flag in ("save", "log_json", "cache_dir", "tensorboard_dir", "wandb_save_dir"):
+        path = getattr(args, flag, None)
         if path is None:
             continue
         parent = os.path.dirname(os.path.abspath(path)) or "."
@@ -176,4 +279,4 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--log-json: {path} is a directory")
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        _check_writable(f"--{flag.replace('_', '-')}", path, parent, flag == "save")
+        _check_writable(f"--{flag.replace('_', '-')}", path, parent, flag != "log_json")
