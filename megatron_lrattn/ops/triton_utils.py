@@ -3,6 +3,7 @@ views, buffer allocation, persistent program counts."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import List, Optional, Sequence, Tuple
 
@@ -38,6 +39,22 @@ def programs(n: int, device: torch.device, per_sm: int, cpu: int = 2) -> int:
     return max(1, min(n, cpu))
 
 
+_capture_host_buffers: Optional[List[Tensor]] = None
+
+
+@contextlib.contextmanager
+def hold_host_buffers(store: List[Tensor]):
+    """While a CUDA graph is captured, put the pinned host tables that :func:`tables` copies
+    to the device into ``store``: a replay copies from them again, so the caller keeps
+    ``store`` as long as the graph."""
+    global _capture_host_buffers
+    previous, _capture_host_buffers = _capture_host_buffers, store
+    try:
+        yield store
+    finally:
+        _capture_host_buffers = previous
+
+
 def tables(*groups: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
     """Device int64 tables of data pointers and row strides, one (pointers, strides) pair per
     group of tensors, all staged in one pinned buffer and copied in one transfer without a
@@ -56,8 +73,14 @@ def tables(*groups: Sequence[Tensor]) -> List[Tuple[Tensor, Tensor]]:
         ptrs += [t.data_ptr() for t in g]
         strides += [t.stride(0) for t in g]
     if dev.type == "cuda":
-        tab = torch.tensor([ptrs, strides], dtype=torch.int64, pin_memory=True).to(
-            dev, non_blocking=True)
+        host = torch.tensor([ptrs, strides], dtype=torch.int64, pin_memory=True)
+        if torch.cuda.is_current_stream_capturing():
+            # A CUDA graph's replay copies from this host buffer again.
+            if _capture_host_buffers is None:
+                raise RuntimeError("a CUDA graph capture that launches depth kernels must "
+                                   "run inside ops.triton_utils.hold_host_buffers()")
+            _capture_host_buffers.append(host)
+        tab = host.to(dev, non_blocking=True)
     else:
         tab = torch.tensor([ptrs, strides], dtype=torch.int64)
     return [(tab[0, a:a + len(g)], tab[1, a:a + len(g)]) for a, g in zip(starts, groups)]

@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 
 def add_fusion_args(parser: argparse.ArgumentParser) -> None:
     """The ``--no-*-fusion`` flags (megatron-LM's names where it has them)."""
-    g = parser.add_argument_group("kernel fusion (CUDA; the CPU path is always unfused)")
+    from megatron_lrattn.training.cuda_graph import add_cuda_graph_args
+
+    g = parser.add_argument_group("kernel fusion and CUDA graphs (CUDA; the CPU path is "
+                                  "always unfused and eager)")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="unfused SwiGLU (default: megatron-core's compiled bias-SwiGLU)")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
@@ -38,6 +41,7 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
                    help="keep torch's multi-tensor AdamW when megatron-core falls back to it "
                         "(default: torch's fused AdamW)")
+    add_cuda_graph_args(g)
 
 
 def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:

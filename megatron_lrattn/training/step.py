@@ -23,6 +23,7 @@ from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
 from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training import faults
 from megatron_lrattn.training.arg_types import ArgumentError
+from megatron_lrattn.training.cuda_graph import StepGraph, check_cuda_graph_args
 from megatron_lrattn.training.builder import (
     build_config,
     build_model_chunks,
@@ -139,6 +140,8 @@ class TrainStep:
         step_kwargs: keyword arguments of the forward-backward function.
         forward_step: the forward-step function (batches go to this rank's device).
         on_nonfinite: ``stop`` or ``skip`` (``--on-nonfinite``).
+        graph: the captured forward-backward of training steps
+            (``--cuda-graph-impl full_iteration``), else None.
     """
 
     config: LRAttnResConfig
@@ -149,6 +152,7 @@ class TrainStep:
     step_kwargs: Dict
     forward_step: Callable
     on_nonfinite: str
+    graph: Optional[StepGraph] = None
 
     def _forward_backward(self, data_iterator, forward_only: bool) -> List[Dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -171,7 +175,10 @@ class TrainStep:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         faults.set_iteration(iteration)
-        losses = self._forward_backward(data_iterator, forward_only=False)
+        if self.graph is not None:
+            losses = self.graph(data_iterator)
+        else:
+            losses = self._forward_backward(data_iterator, forward_only=False)
         faults.poison_grads(self.models)
         loss = reduce_loss(losses)
         nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite)
@@ -207,6 +214,7 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         num_micro: micro-batches per step (``num_microbatches``).
         device: where batches go.
     """
+    check_cuda_graph_args(args, device.type == "cuda")
     # One chunk, or one per virtual stage sharing the rank's depth-source cache.
     chunks = build_model_chunks(config, args, vocab_size)
     num_params = sum(p.numel() for m in chunks for p in m.parameters())
@@ -220,5 +228,9 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
     if shapes_fn is not None:
         # A stage boundary carries several depth sources: per-stage p2p shapes.
         step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
-    return TrainStep(config, models, optimizer, scheduler, num_params, step_kwargs,
+    step = TrainStep(config, models, optimizer, scheduler, num_params, step_kwargs,
                      partial(forward_step, device), args.on_nonfinite)
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
+        step.graph = StepGraph(step._forward_backward, num_micro, device,
+                               args.cuda_graph_warmup_steps)
+    return step
