@@ -284,4 +284,5 @@ def test_cli_success(workdir, corpus, tok_dir, capsys):
                "--no-progress"])
     assert rc == 0
     assert f"{corpus.documents} documents" in capsys.readouterr().out
-    assert Path(f"{out}.bin").is_file() and Path(f"{out}.idx").is_file()
+    # Megatron's naming: PREFIX_KEY_document
+    assert Path(f"{out}_text_document.bin").is_file() and Path(f"{out}_text_document.idx").is_file()

@@ -5,6 +5,9 @@ Examples::
     lrattn-preprocess --input corpus.jsonl --output-prefix data/corpus --tokenizer tok/
     lrattn-preprocess --input docs/ --input-format text --output-prefix data/docs \\
         --tokenizer tok/ --workers 4
+
+Output names follow Megatron's ``preprocess_data.py``: ``PREFIX_KEY_document.bin/.idx`` per
+JSON key, e.g. ``data/corpus_text_document`` (the ``--data-path`` of ``lrattn-pretrain``).
 """
 from __future__ import annotations
 
@@ -14,6 +17,12 @@ import sys
 import warnings
 
 from megatron_lrattn.data.errors import DataError
+
+
+def document_prefix(output_prefix: str, key: str) -> str:
+    """``PREFIX_KEY_document``: where the documents of JSON field ``key`` go (Megatron's
+    ``preprocess_data.py`` naming)."""
+    return f"{output_prefix}_{key}_document"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-prefix",
         required=True,
-        help="writes PREFIX.bin/.idx (PREFIX_KEY.bin/.idx per key with several --json-keys)",
+        help="writes PREFIX_KEY_document.bin/.idx per JSON key (Megatron's naming), e.g. "
+             "PREFIX_text_document.bin/.idx",
     )
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields (default: text)")
@@ -66,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lrattn.data.preprocess import preprocess
 
     try:
-        stats = preprocess(
+        # One pass per JSON key, each written as PREFIX_KEY_document (Megatron's names).
+        runs = [preprocess(
             args.input,
-            args.output_prefix,
+            document_prefix(args.output_prefix, key),
             args.tokenizer,
-            json_keys=args.json_keys,
+            json_keys=[key],
             input_format=args.input_format,
             split_lines=args.split_lines,
             append_eod=args.append_eod,
@@ -78,20 +89,22 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             chunk_size=args.chunk_size,
             progress=not args.no_progress,
-        )
+        ) for key in args.json_keys]
     except DataError as err:
         print(f"lrattn-preprocess: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lrattn-preprocess: interrupted; no output written", file=sys.stderr)
         return 130
-    rate = stats.tokens / max(stats.seconds, 1e-9)
-    print(
-        f"{stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f} s "
-        f"({rate:,.0f} tokens/s) -> {', '.join(p + '.{bin,idx}' for p in stats.output_prefixes)}"
-    )
-    if stats.skipped_empty:
-        print(f"skipped {stats.skipped_empty} empty documents")
+    for stats in runs:
+        rate = stats.tokens / max(stats.seconds, 1e-9)
+        print(
+            f"{stats.documents} documents, {stats.tokens} tokens in {stats.seconds:.1f} s "
+            f"({rate:,.0f} tokens/s) -> "
+            f"{', '.join(p + '.{bin,idx}' for p in stats.output_prefixes)}"
+        )
+        if stats.skipped_empty:
+            print(f"skipped {stats.skipped_empty} empty documents")
     return 0
 
 
