@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if stats.skipped_empty:
             print(f"skipped {stats.skipped_empty} empty documents")
+        if stats.replaced_text:
+            print(f"replaced invalid UTF-8 or lone surrogates by U+FFFD in "
+                  f"{stats.replaced_text} documents")
+        if stats.truncated_files:
+            print(f"{stats.truncated_files} truncated compressed file(s): kept the documents "
+                  "before each cut")
     return 0
 
 

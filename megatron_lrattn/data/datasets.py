@@ -56,6 +56,16 @@ class CachedGPTDataset(GPTDataset):
             config.path_to_cache = cache_dir
         super().__init__(indexed_dataset, dataset_path, indices, num_samples, index_split, config)
 
+    def _build_document_sample_shuffle_indices(self):
+        """Check this dataset's cached index files (``check_index_caches``) before
+        megatron-core loads them with ``allow_pickle=True``; then megatron's build/load.
+        (Run per dataset: megatron builds on rank 0 first, so the files are complete.)"""
+        cache = self.config.path_to_cache
+        if cache:
+            base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+            check_index_caches(cache, prefix=base)
+        return super()._build_document_sample_shuffle_indices()
+
 
 def parse_blend(
     data_prefix_or_blend: str | os.PathLike | Sequence,
@@ -152,6 +162,8 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> int:
     mm = np.memmap(idx, mode="r", dtype=np.uint8)
     lengths = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=34)
     pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=34 + 4 * n_seq)
+    docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=34 + 12 * n_seq)
+    _check_index_arrays(idx, lengths, pointers, docs, itemsize)
     expected_bin = int(pointers[-1]) + int(lengths[-1]) * itemsize
     if bin_size != expected_bin:
         what = "truncated" if bin_size < expected_bin else "longer than its index"
@@ -169,6 +181,78 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> int:
             raise DataError(f"{bin_}: token id {top} >= the tokenizer's vocabulary size "
                             f"{vocab_size} (tokenized with another tokenizer?)")
     return n_tokens
+
+
+def _check_index_arrays(idx: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray,
+                        itemsize: int) -> None:
+    """Every entry of an ``.idx``: lengths >= 0, each sequence starting where the previous
+    one ends (megatron's builder writes them back to back), document boundaries from 0 to
+    the sequence count and non-decreasing. Vectorised over the whole index."""
+    bad = np.flatnonzero(lengths < 0)
+    if bad.size:
+        raise DataError(f"{idx}: corrupt index (sequence {bad[0]} has length {lengths[bad[0]]})")
+    if pointers[0] != 0:
+        raise DataError(f"{idx}: corrupt index (the first sequence starts at byte "
+                        f"{pointers[0]}, not 0)")
+    step = np.diff(pointers) != lengths[:-1].astype(np.int64) * itemsize
+    bad = np.flatnonzero(step)
+    if bad.size:
+        i = int(bad[0]) + 1
+        raise DataError(f"{idx}: corrupt index (sequence {i} starts at byte {pointers[i]}, "
+                        f"the one before it ends at "
+                        f"{int(pointers[i - 1]) + int(lengths[i - 1]) * itemsize})")
+    if docs.size == 0 or docs[0] != 0 or docs[-1] != lengths.size or np.any(np.diff(docs) < 0):
+        raise DataError(f"{idx}: corrupt index (document boundaries must rise from 0 to the "
+                        f"sequence count {lengths.size})")
+
+
+def check_index_caches(cache_dir: str, prefix: str = "") -> None:
+    """Refuse index cache files that are not plain arrays before megatron-core loads them.
+
+    megatron-core loads its ``*_index.npy`` caches with ``allow_pickle=True``: a file that is
+    a pickle instead of an ``.npy`` array would run code. Each one must have the ``.npy``
+    header, a dtype without Python objects and exactly the size its header announces.
+
+    Args:
+        cache_dir: the index cache folder.
+        prefix: check only the files whose names start with it (one dataset's).
+
+    Raises:
+        DataError: naming the file (delete it; it is rebuilt).
+    """
+    if not os.path.isdir(cache_dir):
+        return
+    for name in sorted(os.listdir(cache_dir)):
+        if not name.endswith(".npy") or not name.startswith(prefix):
+            continue
+        path = os.path.join(cache_dir, name)
+        problem = _npy_problem(path)
+        if problem:
+            raise DataError(f"{path}: not a plain index array ({problem}); not loaded; delete "
+                            "it (it is rebuilt) and check who can write this cache folder")
+
+
+def _npy_problem(path: str) -> Optional[str]:
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            version = fmt.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = fmt.read_array_header_1_0(f)
+            elif version in ((2, 0), (3, 0)):
+                shape, _, dtype = fmt.read_array_header_2_0(f)
+            else:
+                return f".npy version {version}"
+            offset = f.tell()
+    except (OSError, ValueError) as e:
+        return str(e).splitlines()[0] if str(e) else "unreadable"
+    if dtype.hasobject:
+        return f"dtype {dtype} holds Python objects"
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    size = os.path.getsize(path)
+    if size != expected:
+        return f"{size} bytes, its header describes {expected}"
+    return None
 
 
 def _check_prefixes(prefixes: Sequence[str], split: str,

@@ -13,7 +13,9 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterator, Sequence
@@ -22,6 +24,7 @@ import numpy as np
 
 from megatron_lrattn.data.errors import DataError
 from megatron_lrattn.data.tokenizer import HFTokenizer
+from megatron_lrattn.training.durable import check_output_parent
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,10 @@ class PreprocessStats:
         seconds: wall time.
         output_prefixes: one ``.bin``/``.idx`` prefix per JSON key.
         skipped_empty: documents skipped because they tokenized to nothing.
+        replaced_text: documents in which bytes that are not UTF-8 or lone surrogate
+            escapes were replaced by U+FFFD.
+        truncated_files: compressed inputs that end early (a cut ``.gz``): the documents
+            before the cut are kept, a partial last line is dropped.
     """
 
     documents: int = 0
@@ -45,6 +52,8 @@ class PreprocessStats:
     seconds: float = 0.0
     output_prefixes: list[str] = field(default_factory=list)
     skipped_empty: int = 0
+    replaced_text: int = 0
+    truncated_files: int = 0
 
 
 def output_dtype(vocab_size: int) -> type[np.number]:
@@ -59,9 +68,62 @@ def _is_json(path: Path, input_format: str) -> bool:
 
 
 def _open_text(path: Path) -> IO[str]:
+    # Bytes that are not UTF-8 come through as lone surrogates, replaced by ``_clean``.
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, "r", encoding="utf-8", errors="surrogateescape")
+
+
+_TRUNCATED = (EOFError, zlib.error, gzip.BadGzipFile)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _clean(text: str, stats: "PreprocessStats") -> str:
+    """``text`` with lone surrogates (undecodable bytes, or ``\\udXXX`` escapes in JSON)
+    replaced by U+FFFD; the tokenizer cannot encode them."""
+    cleaned, n = _SURROGATE.subn("\ufffd", text)
+    stats.replaced_text += bool(n)
+    return cleaned
+
+
+def _lines(path: Path, stats: "PreprocessStats") -> Iterator[tuple[int, str]]:
+    """Numbered lines of ``path``; a compressed file cut short yields the complete lines
+    before the cut (counted in ``stats.truncated_files``)."""
+    with _open_text(path) as f:
+        it = iter(f)
+        prev, lineno = None, 0
+        while True:
+            try:
+                line = next(it)
+            except StopIteration:
+                break
+            except _TRUNCATED as err:
+                stats.truncated_files += 1
+                logger.warning("%s: truncated (%s); keeping the %d complete lines before the "
+                               "cut", path, err, lineno - (prev is not None))
+                if prev is not None and not prev.endswith("\n"):
+                    prev = None
+                break
+            if prev is not None:
+                yield lineno, prev
+            prev, lineno = line, lineno + 1
+        if prev is not None:
+            yield lineno, prev
+
+
+def _read_whole(path: Path, stats: "PreprocessStats") -> str:
+    parts = []
+    with _open_text(path) as f:
+        try:
+            while True:
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                parts.append(chunk)
+        except _TRUNCATED as err:
+            stats.truncated_files += 1
+            logger.warning("%s: truncated (%s); keeping the text before the cut", path, err)
+    return "".join(parts)
 
 
 def _expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
@@ -101,36 +163,34 @@ def _parse_record(line: str, path: Path, lineno: int, json_keys: Sequence[str]) 
 
 def _check_first_record(path: Path, json_keys: Sequence[str]) -> None:
     try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    _parse_record(line, path, lineno, json_keys)
-                    return
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
+        for lineno, line in _lines(path, PreprocessStats()):
+            if line.strip():
+                _parse_record(line, path, lineno, json_keys)
+                return
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror or err}") from None
 
 
 def _iter_documents(
-    files: Sequence[Path], input_format: str, json_keys: Sequence[str], split_lines: bool
+    files: Sequence[Path], input_format: str, json_keys: Sequence[str], split_lines: bool,
+    stats: PreprocessStats,
 ) -> Iterator[tuple[str, ...]]:
     for path in files:
         try:
             if _is_json(path, input_format):
-                with _open_text(path) as f:
-                    for lineno, line in enumerate(f, 1):
-                        if line.strip():
-                            yield _parse_record(line, path, lineno, json_keys)
+                for lineno, line in _lines(path, stats):
+                    if line.strip():
+                        texts = _parse_record(line, path, lineno, json_keys)
+                        yield tuple(_clean(t, stats) for t in texts)
             elif split_lines:
-                with _open_text(path) as f:
-                    for line in f:
-                        line = line.rstrip("\r\n")
-                        if line.strip():
-                            yield (line,)
+                for _, line in _lines(path, stats):
+                    line = line.rstrip("\r\n")
+                    if line.strip():
+                        yield (_clean(line, stats),)
             else:
-                with _open_text(path) as f:
-                    yield (f.read(),)
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 text ({err.reason})") from None
+                yield (_clean(_read_whole(path, stats), stats),)
+        except OSError as err:
+            raise DataError(f"cannot read {path}: {err.strerror or err}") from None
 
 
 def _chunks(docs: Iterator[tuple[str, ...]], size: int) -> Iterator[list[tuple[str, ...]]]:
@@ -235,13 +295,20 @@ def preprocess(
         tokenizer = HFTokenizer(tokenizer.path, eod_token=eod_token)
 
     output_prefix = str(output_prefix)
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        check_output_parent("--output-prefix", output_prefix)
+        Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+    except OSError as err:
+        raise DataError(f"--output-prefix: cannot create {Path(output_prefix).parent} "
+                        f"({err.strerror})") from None
     finals = [_prefix_for_key(output_prefix, k, len(keys)) for k in keys]
     temps = [f"{p}.tmp{os.getpid()}" for p in finals]
     dtype = output_dtype(tokenizer.vocab_size)
     stats = PreprocessStats(output_prefixes=finals)
 
-    docs = _iter_documents(files, input_format, json_keys, split_lines)
+    docs = _iter_documents(files, input_format, json_keys, split_lines, stats)
     chunks = _chunks(docs, chunk_size)
     pool = None
     if workers > 1:
@@ -279,11 +346,17 @@ def preprocess(
             _remove_quietly(f"{final}.idx")
             os.replace(f"{temp}.bin", f"{final}.bin")
             os.replace(f"{temp}.idx", f"{final}.idx")
-    except BaseException:
+    except BaseException as err:
         for builder in builders:
-            builder.data_file.close()
+            try:
+                builder.data_file.close()
+            except OSError:
+                pass
         for temp in temps:
             _remove_quietly(f"{temp}.bin", f"{temp}.idx")
+        if isinstance(err, OSError):
+            raise DataError(f"{output_prefix}: writing the dataset failed "
+                            f"({err.strerror or err}); nothing was written") from None
         raise
     finally:
         if bar is not None:

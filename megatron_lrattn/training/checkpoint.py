@@ -23,6 +23,7 @@ at the cost of an all-gather of the optimizer state). The model is always fully 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -33,7 +34,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrattn.training import faults
-from megatron_lrattn.training.durable import disk_error, fsync_dir, replace_dir, replace_file, write_durably
+from megatron_lrattn.training.durable import (
+    disk_error,
+    fsync_dir,
+    probe_disk,
+    replace_dir,
+    replace_file,
+    write_durably,
+)
 from megatron_lrattn.training.adam_state import (
     fully_reshardable_adam_load,
     init_empty_adam_state,
@@ -119,18 +127,22 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
                 request.add_finalize_fn(finalize)
                 async_queue.schedule_async_request(request)
         except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-            _raise_write_error(e, save_dir, tmp)
+            raise_write_error(e, save_dir, tmp)
             raise
     return final
 
 
-def _raise_write_error(e: BaseException, save_dir: str, tmp: str) -> None:
+def raise_write_error(e: BaseException, save_dir: str, tmp: str) -> None:
     """A save that failed on the file system (disk full, permissions, I/O): drop the
     partial ``.tmp`` folder and raise a one-line ``CheckpointError`` (``latest`` and every
     complete checkpoint are untouched). Other errors are left to the caller."""
     if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
         return
-    err = disk_error(e)
+    err = disk_error(e) or probe_disk(save_dir)
+    if err is None and "unexpected pos" in str(e):
+        # torch's zip writer reports a short write (a disk that filled up or failed) as
+        # "unexpected pos", without the OS error.
+        err = OSError(errno.EIO, "short write: the disk filled up or failed")
     if err is None:
         return
     if _is_rank0():

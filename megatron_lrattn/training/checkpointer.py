@@ -18,7 +18,7 @@ import os
 import threading
 from typing import Any, Dict, List, Optional
 
-from megatron_lrattn.training.checkpoint import save_checkpoint
+from megatron_lrattn.training.checkpoint import raise_write_error, save_checkpoint
 from megatron_lrattn.training.signals import ExitSignalHandler
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Checkpointer:
         self.optim_sharding = ("fully_reshardable" if args.dist_ckpt_optim_fully_reshardable
                                else "dp_reshardable")
         self.last_saved: Optional[int] = loaded
+        self.pending: Optional[str] = None
         self.queue = None
         if self.save_dir and args.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -61,22 +62,34 @@ class Checkpointer:
 
     def save(self, iteration: int, consumed_samples: int) -> str:
         """Save now (asynchronously with ``--async-save``); returns the checkpoint folder."""
-        if self.queue is not None:
-            # One save in flight at a time: its finalize step renames and prunes.
-            self.queue.maybe_finalize_async_calls(blocking=True)
+        # One save in flight at a time: its finalize step renames and prunes.
+        self._finalize(blocking=True)
         path = save_checkpoint(self.save_dir, iteration, self.models, self.optimizer,
                                self.scheduler, self.config, consumed_samples, vars(self.args),
                                keep_last=self.args.keep_last,
                                optim_sharding=self.optim_sharding, async_queue=self.queue,
                                records=self.records)
         self.last_saved = iteration
+        if self.queue is not None:
+            self.pending = path + ".tmp"
         return path
+
+    def _finalize(self, blocking: bool) -> None:
+        """Finalize finished asynchronous saves (wait for the pending one when
+        ``blocking``); a write that failed in the background ends in the same one-line
+        ``CheckpointError`` as a synchronous one."""
+        if self.queue is None:
+            return
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException as e:  # noqa: BLE001 - megatron raises RuntimeError with text only
+            raise_write_error(e, self.save_dir, self.pending)
+            raise
 
     def after_iteration(self, iteration: int, consumed_samples: int) -> None:
         """Finalize finished async saves; save when ``--save-interval`` is due (not at the
         last iteration: :meth:`finish` saves that one)."""
-        if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize(blocking=False)
         interval = self.args.save_interval
         if (self.save_dir and interval and iteration % interval == 0
                 and iteration < self.args.train_iters):
@@ -96,7 +109,7 @@ class Checkpointer:
                     self.save(iteration, consumed_samples)
                 path = os.path.join(self.save_dir, f"iter_{iteration:07d}")
             if self.queue is not None:
-                self.queue.maybe_finalize_async_calls(blocking=True)
+                self._finalize(blocking=True)
                 self.queue.close()
                 self.queue = None
         finally:
@@ -110,9 +123,9 @@ class Checkpointer:
         (the error that ended the run is the one reported)."""
         try:
             if self.queue is not None:
-                self.queue.maybe_finalize_async_calls(blocking=True)
-                self.queue.close()
-                self.queue = None
+                queue, self.queue = self.queue, None
+                queue.maybe_finalize_async_calls(blocking=True)
+                queue.close()
         except BaseException as e:  # noqa: BLE001 - report the original error instead
             logger.error("pending asynchronous checkpoint not finalized: %s", e)
         finally:

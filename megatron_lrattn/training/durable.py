@@ -126,6 +126,27 @@ def disk_error(e: BaseException) -> Optional[OSError]:
     return None
 
 
+def probe_disk(folder: str, size: int = 1 << 20) -> Optional[OSError]:
+    """Write and fsync a probe file of ``size`` bytes in ``folder`` (then remove it): the OS
+    error a writer met (a full disk, an I/O error) when it reported none of its own, else
+    None."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lrattn_space_probe_", dir=folder)
+    except OSError as e:
+        return e
+    try:
+        os.write(fd, b"\0" * size)
+        os.fsync(fd)
+        return None
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def _errno_in_text(text: str) -> Optional[OSError]:
     m = _ERRNO_TEXT.search(text)
     if m and int(m.group(1)) in _DISK_ERRNOS:

@@ -122,12 +122,10 @@ def _check_layout(args: argparse.Namespace) -> None:
 def held_checkpoints(save_dir: str) -> Optional[str]:
     """What ``save_dir`` holds that a fresh run would overwrite (``latest`` or complete
     checkpoints), described in a few words; None for an empty or new folder."""
-    from megatron_lrattn.training.checkpoint_io import ITER_NAME, META_NAME
-
     if not os.path.isdir(save_dir):
         return None
-    names = sorted(n for n in os.listdir(save_dir) if ITER_NAME.fullmatch(n)
-                   and os.path.isfile(os.path.join(save_dir, n, META_NAME)))
+    names = sorted(n for n in os.listdir(save_dir) if re.fullmatch(r"iter_\d{7}", n)
+                   and os.path.isfile(os.path.join(save_dir, n, "lrattn.json")))
     if os.path.isfile(os.path.join(save_dir, "latest")):
         return f"latest, {len(names)} complete checkpoint(s)"
     return f"{len(names)} complete checkpoint(s), newest {names[-1]}" if names else None
