@@ -11,6 +11,7 @@ import torch
 
 from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
 from megatron_lrattn.hf.convert import ConversionError, hf_to_megatron, megatron_to_hf
+from megatron_lrattn.training.durable import disk_error, output_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CODE_FILES = ("configuration_lrattn.py", "modeling_lrattn.py")
@@ -59,8 +60,46 @@ def save_hf(hf_sd: Dict[str, torch.Tensor], config: LRAttnConfig, out_dir: str,
     return out_dir
 
 
+def _check_output(out_dir: str, allow_hf: bool) -> None:
+    """Refuse an output folder whose contents a conversion would destroy or mix: one that
+    holds training checkpoints (``latest``, ``iter_*``), or any other non-empty folder
+    (except an earlier HF export when ``allow_hf``: it is replaced as a whole). The nearest
+    existing parent must be writable."""
+    from megatron_lrattn.training.durable import check_output_parent
+
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConversionError(f"{out_dir}: exists and is not a directory")
+    try:
+        check_output_parent("output", out_dir)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    names = os.listdir(out_dir)
+    if "latest" in names or any(n.startswith("iter_") for n in names):
+        raise ConversionError(f"{out_dir}: holds training checkpoints; a conversion writes a "
+                              "new folder (it would move 'latest' to a weights-only "
+                              "checkpoint): choose another output path")
+    if not (allow_hf and "config.json" in names):
+        raise ConversionError(f"{out_dir}: exists and is not empty; choose a new output path")
+
+
+def _raise_if_disk_error(e: BaseException, out_dir: str) -> None:
+    """A write that failed on the file system (disk full, I/O, permissions) becomes one
+    line; the temporary folder is already gone (``durable.output_dir``)."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, ConversionError)):
+        return
+    err = disk_error(e)
+    if err is not None:
+        raise ConversionError(f"{out_dir}: writing the output failed ({err.strerror or err}); "
+                              "nothing was written under that name") from None
+
+
 def megatron_checkpoint_to_hf(checkpoint: str, out_dir: str, max_shard_size="5GB") -> str:
     """Convert the newest checkpoint under ``checkpoint`` (any TP/PP layout) to an HF folder.
+
+    The folder is written under a temporary name and renamed when complete (an earlier
+    export at ``out_dir`` is replaced as a whole; a folder with other contents is refused).
 
     Raises:
         CheckpointError, ConversionError: one-line messages naming the problem.
@@ -70,6 +109,7 @@ def megatron_checkpoint_to_hf(checkpoint: str, out_dir: str, max_shard_size="5GB
     from megatron_lrattn.training.checkpoint_io import read_meta, resolve_checkpoint
     from megatron_lrattn.training.runtime import single_process_model_parallel
 
+    _check_output(out_dir, allow_hf=True)
     path = resolve_checkpoint(checkpoint)
     meta = read_meta(path)
     tok_dir = tokenizer_dir(meta.get("args") or {})
@@ -78,7 +118,13 @@ def megatron_checkpoint_to_hf(checkpoint: str, out_dir: str, max_shard_size="5GB
     with single_process_model_parallel():
         sd, _, _ = load_megatron(path)
     hf_sd = megatron_to_hf(sd, config)
-    return save_hf(hf_sd, config, out_dir, tok_dir, max_shard_size)
+    try:
+        with output_dir(out_dir) as tmp:
+            save_hf(hf_sd, config, tmp, tok_dir, max_shard_size)
+    except BaseException as e:  # noqa: BLE001 - safetensors' writer raises its own type
+        _raise_if_disk_error(e, out_dir)
+        raise
+    return out_dir
 
 
 def read_hf_folder(path: str) -> Tuple[LRAttnConfig, Dict[str, torch.Tensor]]:
@@ -140,15 +186,24 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     from megatron_lrattn.training.builder import padded_vocab_size
     from megatron_lrattn.training.runtime import single_process_model_parallel
 
+    _check_output(out_dir, allow_hf=False)
     config, hf_sd = read_hf_folder(hf_dir)
     msd = hf_to_megatron(hf_sd, config, padded_vocab_size(config.vocab_size, tp))
-    tok_dir = os.path.join(os.path.abspath(out_dir), "tokenizer")
-    os.makedirs(tok_dir, exist_ok=True)
-    copy_tokenizer(hf_dir, tok_dir)
-    try:
-        args = megatron_args_from_hf(config, tp, pp, tok_dir)
-    except ValueError as e:
-        raise ConversionError(f"{hf_dir}: {e}") from None
     bf16 = msd["embedding.word_embeddings.weight"].dtype == torch.bfloat16
-    with single_process_model_parallel():
-        return save_megatron(msd, out_dir, args, bf16, os.path.abspath(hf_dir))
+    final = os.path.abspath(out_dir)
+    try:
+        with output_dir(final) as tmp:
+            tok_dir = os.path.join(tmp, "tokenizer")
+            os.makedirs(tok_dir)
+            copy_tokenizer(hf_dir, tok_dir)
+            try:
+                args = megatron_args_from_hf(config, tp, pp, tok_dir)
+            except ValueError as e:
+                raise ConversionError(f"{hf_dir}: {e}") from None
+            args.tokenizer_model = os.path.join(final, "tokenizer")
+            with single_process_model_parallel():
+                written = save_megatron(msd, tmp, args, bf16, os.path.abspath(hf_dir))
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        _raise_if_disk_error(e, out_dir)
+        raise
+    return os.path.join(final, os.path.basename(written))

@@ -148,6 +148,10 @@ def probe_disk(folder: str, size: int = 1 << 20) -> Optional[OSError]:
 
 
 def _errno_in_text(text: str) -> Optional[OSError]:
+    if "unexpected pos" in text:
+        # torch's zip writer (torch.save, the checkpoint writer's workers) reports a short
+        # write -- a disk that filled up or failed -- this way, without the OS error.
+        return OSError(errno.EIO, "short write: the disk filled up or failed")
     m = _ERRNO_TEXT.search(text)
     if m and int(m.group(1)) in _DISK_ERRNOS:
         code = int(m.group(1))
