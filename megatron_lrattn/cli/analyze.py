@@ -72,6 +72,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise AnalyzeArgumentError("--data-path needs --tokenizer-model")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise AnalyzeArgumentError(f"--out: {args.out} exists and is not a directory")
+    if os.path.isdir(args.out) and os.listdir(args.out) and not os.path.isfile(
+            os.path.join(args.out, "analysis.json")):
+        raise AnalyzeArgumentError(f"--out: {args.out} exists and holds other files (it is "
+                                   "replaced as a whole); choose a new folder")
+    from megatron_lrattn.training.durable import check_output_parent
+
+    try:
+        check_output_parent("--out", args.out)
+    except ValueError as e:
+        raise AnalyzeArgumentError(str(e)) from None
     return args
 
 
@@ -229,16 +239,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def _main() -> int:
         setup_logging()
+        from megatron_lrattn.training.durable import output_dir
         from megatron_lrattn.training.runtime import shutdown_runtime
 
         try:
             report = analyze_checkpoint(*parsed)
         finally:
             shutdown_runtime()
-        os.makedirs(args.out, exist_ok=True)
         out_json = os.path.join(args.out, "analysis.json")
-        with open(out_json, "w") as f:
-            json.dump(report, f, indent=1)
+        plots = []
+        try:
+            with output_dir(args.out) as tmp:
+                with open(os.path.join(tmp, "analysis.json"), "w") as f:
+                    json.dump(report, f, indent=1)
+                if not args.no_plots:
+                    from megatron_lrattn.analysis.plots import write_plots
+
+                    plots = [os.path.join(args.out, os.path.basename(p))
+                             for p in write_plots(report, tmp)]
+        except OSError as e:
+            raise AnalysisError(f"--out {args.out}: writing the results failed "
+                                f"({e.strerror or e}); nothing was written there") from None
         print(f"loss over {report['num_batches']} batches: {report['loss']:.4f}")
         routing = report["routing"]
         if routing is None:
@@ -248,11 +269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             zip(routing["effective_sources"], routing["num_sources"]))
             print(f"effective sources per site (of S_j): {eff}")
         print(f"json: {out_json}")
-        if not args.no_plots:
-            from megatron_lrattn.analysis.plots import write_plots
-
-            for p in write_plots(report, args.out):
-                print(f"plot: {p}")
+        for p in plots:
+            print(f"plot: {p}")
         return 0
 
     return run_cli(PROG, _main, (AnalysisError, CheckpointError, ConfigError, DataError))
