@@ -26,14 +26,12 @@ import argparse
 import logging
 from typing import Callable, Dict, List, Optional
 
-import torch
-
-from megatron_lrattn.ops.triton_utils import hold_host_buffers
 from megatron_lrattn.training.arg_types import ArgumentError
 
 logger = logging.getLogger(__name__)
 
 CUDA_GRAPH_IMPLS = ("none", "full_iteration")
+
 
 def add_cuda_graph_args(group) -> None:
     """``--cuda-graph-impl`` and ``--cuda-graph-warmup-steps`` (megatron-LM's names)."""
@@ -117,6 +115,8 @@ class StepGraph:
 
     def __init__(self, forward_backward: Callable, num_micro: int, device: torch.device,
                  warmup_steps: int):
+        import torch
+
         self.forward_backward = forward_backward
         self.num_micro = num_micro
         self.inputs = StaticBatches(device)
@@ -128,6 +128,8 @@ class StepGraph:
         self.stream = torch.cuda.Stream(device)
 
     def __call__(self, data_iterator) -> List[Dict]:
+        import torch
+
         batches = self.inputs.fill(data_iterator, self.num_micro)
         if self.graph is None and self.steps >= self.warmup_steps:
             self._capture(batches)
@@ -143,6 +145,10 @@ class StepGraph:
         return losses
 
     def _capture(self, batches) -> None:
+        import torch
+
+        from megatron_lrattn.ops.triton_utils import hold_host_buffers
+
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with hold_host_buffers(self.keep), torch.cuda.graph(

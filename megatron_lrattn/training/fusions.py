@@ -17,8 +17,6 @@ import argparse
 import logging
 from typing import Dict
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 
@@ -72,6 +70,8 @@ def use_fused_adamw(optimizer, enabled: bool = True) -> int:
         The number of torch optimizers set to fused (0 on CPU, with ``enabled=False`` or with
         TE's/Apex's fused Adam).
     """
+    import torch
+
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     switched = 0
     for opt in chained:
