@@ -8,6 +8,7 @@ so a failure reproduces on every run.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,3 +103,85 @@ def test_every_config_builds_or_is_refused_clearly(argv):
         _forward(args)
     except (ArgumentError, ConfigError) as e:
         _refused(e)
+
+
+_VALUES = ["0", "1", "-1", "2", "7", "nan", "inf", "-inf", "1e309", "1.5", "-5", "abc", "",
+           "100,0,0", "1,1,1", "0,0,0", "/nonexistent/x", "/sys/lrattn", "RMSNorm", "triton",
+           "standard", "lr_attnres", "projected", "--", "\u00e9\u4e2d"]
+
+
+def _parse_only(module):
+    """What each CLI does with its flags before any work (the work is covered elsewhere)."""
+    import importlib
+
+    mod = importlib.import_module(f"megatron_lrattn.cli.{module}")
+    if module == "pretrain":
+        return parse_args
+    if module in ("profile", "analyze"):
+        return mod.parse_args
+    if module == "flops":
+        return mod.parse_shape
+    return mod.build_parser().parse_args
+
+
+def _cli_flags(module):
+    import importlib
+
+    if module == "pretrain":
+        from megatron_lrattn.training.arguments import build_parser
+
+        parser = build_parser()
+    else:
+        parser = importlib.import_module(f"megatron_lrattn.cli.{module}").build_parser()
+    return sorted(s for a in parser._actions for s in a.option_strings
+                  if s.startswith("--") and s not in ("--help", "--config"))
+
+
+@st.composite
+def cli_argv(draw, module):
+    flags = _cli_flags(module)
+    argv = []
+    if module in ("convert_hf", "convert_megatron", "analyze"):
+        argv += [draw(st.sampled_from(["/nonexistent/ckpt", "/sys", "."])),
+                 draw(st.sampled_from(["/nonexistent/out", "/sys/lrattn"]))][
+            : 1 if module == "analyze" else 2]
+    for flag in draw(st.lists(st.sampled_from(flags), max_size=6)):
+        argv.append(flag)
+        if draw(st.integers(0, 4)):
+            argv.append(draw(st.sampled_from(_VALUES)))
+    return argv
+
+
+def _one_clean_outcome(call, argv) -> None:
+    """argparse's exit (usage error, code 2) or a one-line error of our own; never
+    another exception."""
+    from megatron_lrattn.analysis.routing import AnalysisError
+    from megatron_lrattn.data.errors import DataError
+    from megatron_lrattn.training.checkpoint_io import CheckpointError
+
+    try:
+        call(argv)
+    except SystemExit as e:
+        assert e.code in (0, 2), (argv, e.code)
+    except (ArgumentError, ConfigError, DataError, CheckpointError, AnalysisError) as e:
+        _refused(e)
+    except Exception as e:  # noqa: BLE001 - the property under test
+        if type(e).__name__.endswith(("ArgumentError", "Error")) and type(e).__module__.startswith(
+                "megatron_lrattn"):
+            _refused(e)
+        else:
+            raise AssertionError(f"{argv}: {type(e).__name__}: {e}") from e
+
+
+@pytest.mark.parametrize("module", ["pretrain", "preprocess", "convert_hf", "convert_megatron",
+                                    "analyze", "flops", "profile"])
+def test_every_cli_refuses_fuzzed_flags_without_a_traceback(module, capsys):
+    call = _parse_only(module)
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(cli_argv(module))
+    def check(argv):
+        _one_clean_outcome(call, argv)
+
+    check()
