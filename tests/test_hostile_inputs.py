@@ -302,15 +302,15 @@ def test_cli_refusals_of_a_trained_folder(base, cache, tmp_path):
     assert rc == 0, err[-3000:]
     procs = {
         "fresh": _start("pretrain", ["--train-iters", "2", "--save", str(fresh)], cache, tmp_path),
-        "pretrain-payload": _start("pretrain", ["--train-iters", "3", "--load", str(hostile)],
+        "pretrain-payload": _start("pretrain", ["--train-iters", "2", "--load", str(hostile)],
                                    cache, tmp_path),
         "hf-payload": _start("convert_hf", [str(hostile), str(tmp_path / "hf2")], cache,
                              tmp_path, pretrain=False),
         "analyze-payload": _start("analyze", [str(hostile), "--out", str(tmp_path / "an"),
                                               "--no-plots"], cache, tmp_path, pretrain=False),
-        "other-split": _start("pretrain", ["--train-iters", "3", "--load", str(other),
+        "other-split": _start("pretrain", ["--train-iters", "2", "--load", str(other),
                                            "--split", "90,9,1"], cache, tmp_path),
-        "other-ffn": _start("pretrain", ["--train-iters", "3", "--load", str(other),
+        "other-ffn": _start("pretrain", ["--train-iters", "2", "--load", str(other),
                                          "--ffn-hidden-size", "96"], cache, tmp_path),
         "convert-into-training": _start("convert_megatron", [str(hf), str(conv)], cache,
                                         tmp_path, pretrain=False),
@@ -346,13 +346,13 @@ def test_async_save_is_finalized_on_a_nonfinite_stop_and_resume_drops_replayed_r
     resume, log = _copy(base, tmp_path, "resume"), tmp_path / "m.jsonl"
     shutil.copy(base / "m.jsonl", log)
     (resume / "latest").write_text("iter_0000001\n")  # as if killed after iteration 2
-    rc, _, err = finish(_start("pretrain", ["--train-iters", "3", "--load", str(resume),
+    rc, _, err = finish(_start("pretrain", ["--train-iters", "2", "--load", str(resume),
                                             "--save", str(resume), "--log-json", str(log)],
                                cache, tmp_path))
     assert rc == 0, err[-3000:]
     recs = [json.loads(line) for line in log.read_text().splitlines()]
     train = [r["iteration"] for r in recs if r["type"] == "train"]
-    assert train == [1, 2, 3], train
+    assert train == [1, 2], train  # the killed run's iteration 2 dropped, the replay kept
     runs = [r for r in recs if r["type"] == "run"]
     assert runs[-1].get("dropped_records", 0) >= 1 and runs[-1]["resumed_from"] == 1
 
