@@ -143,6 +143,8 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 VPP2 = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
 L8 = ["--num-layers", "8"]
+TIED_LEARNED = ["--no-untie-embeddings-and-output-weights", "--position-embedding-type",
+                "learned_absolute"]
 LAYOUTS = {
     # name: (model flags, processes, layout flags, exact first validation loss)
     "pp2": (MODES["lr_sliced"], 2, PP2, True),
@@ -155,6 +157,8 @@ LAYOUTS = {
     "standard_tp2_pp2": (MODES["standard"], 4, TP2 + PP2, False),
     "projected_tp2_sp_pp2": (MODES["lr_projected"], 4, TP2 + PP2 + ["--sequence-parallel"],
                              False),
+    # the last stage's copy of the tied word embedding; learned position embeddings
+    "tied_learned_pp2": (TIED_LEARNED, 2, PP2, True),
 }
 
 
