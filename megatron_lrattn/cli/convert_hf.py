@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -13,11 +15,21 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line arguments."""
     p = argparse.ArgumentParser(
         prog="lrattn-convert-hf",
-        description="Convert an lrattn-pretrain checkpoint to a Hugging Face folder that "
-                    "loads with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).")
+        description="Convert an lrattn-pretrain checkpoint to a Hugging Face folder: a plain "
+                    "LlamaForCausalLM for a --residual standard model Llama can express, else "
+                    "our LRAttnForCausalLM (AutoModelForCausalLM.from_pretrained(path, "
+                    "trust_remote_code=True)).")
     p.add_argument("checkpoint", help="--save folder (its 'latest' is used) or an iter_N folder")
     p.add_argument("output", help="Hugging Face folder to write")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    p.add_argument("--format", dest="hf_format", choices=("auto", "llama", "lrattn"),
+                   default="auto",
+                   help="auto (default): LlamaForCausalLM when the model is a standard-residual "
+                        "Llama (RMSNorm, SwiGLU, RoPE, no QK-norm), else lrattn; llama: refuse "
+                        "otherwise, naming the feature; lrattn: always our type (remote code)")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="tokenizer folder copied into the export (default: the run's "
+                        "--tokenizer-model as recorded, or the embedded default data's)")
     return p
 
 
@@ -34,8 +46,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setup_logging()
         from megatron_lrattn.hf.export import megatron_checkpoint_to_hf
 
-        out = megatron_checkpoint_to_hf(args.checkpoint, args.output, args.max_shard_size)
-        print(f"wrote {out}")
+        out = megatron_checkpoint_to_hf(args.checkpoint, args.output, args.max_shard_size,
+                                        tokenizer=args.tokenizer, hf_format=args.hf_format)
+        with open(os.path.join(out, "config.json")) as f:
+            arch = (json.load(f).get("architectures") or ["?"])[0]
+        print(f"wrote {out} ({arch})")
         return 0
 
     return run_cli("lrattn-convert-hf", _main,

@@ -14,9 +14,11 @@ def build_parser() -> argparse.ArgumentParser:
     """Command-line arguments."""
     p = argparse.ArgumentParser(
         prog="lrattn-convert-megatron",
-        description="Convert a Hugging Face folder written by lrattn-convert-hf back to a "
-                    "Megatron distributed checkpoint (model weights; no optimizer state).")
-    p.add_argument("hf_folder")
+        description="Convert a Hugging Face folder written by lrattn-convert-hf, or a "
+                    "LlamaForCausalLM folder (safetensors and tokenizer), to a Megatron "
+                    "distributed checkpoint (model weights; no optimizer state). A Llama "
+                    "becomes a --residual standard model.")
+    p.add_argument("hf_folder", help="lrattn-convert-hf output or a LlamaForCausalLM folder")
     p.add_argument("output", help="checkpoint folder to write (gets iter_0000000/ and latest)")
     p.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
                    help="target TP: sets the vocabulary padding and the recorded layout")

@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import shutil
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -31,13 +31,24 @@ NORM_EPS = 1e-5
 """``layernorm_epsilon`` of every model built by ``training.builder.build_config``."""
 
 
-def tokenizer_dir(args: Dict[str, Any]) -> str:
-    """The tokenizer folder a run used: ``--tokenizer-model``, else the default data's."""
+def tokenizer_dir(args: Dict[str, Any], override: Optional[str] = None) -> str:
+    """The tokenizer folder of a run, as an absolute path: ``override`` when given, else the
+    run's ``--tokenizer-model``, else the default data's.
+
+    Raises:
+        CheckpointError: the folder is missing (a relative path recorded by a run started
+            elsewhere resolves against the current directory: pass ``override``).
+    """
+    if override is not None:
+        if not os.path.isdir(override):
+            raise CheckpointError(f"--tokenizer {override}: not a directory")
+        return os.path.abspath(override)
     if args.get("tokenizer_model"):
         if not os.path.isdir(args["tokenizer_model"]):
             raise CheckpointError(f"tokenizer folder {args['tokenizer_model']} (recorded in "
-                                  f"{META_NAME}) not found")
-        return args["tokenizer_model"]
+                                  f"{META_NAME}) not found from {os.getcwd()}; pass "
+                                  "--tokenizer FOLDER")
+        return os.path.abspath(args["tokenizer_model"])
     from megatron_lrattn.data.default_corpus import ensure_default_data
 
     return ensure_default_data(cache_dir=args.get("cache_dir")).tokenizer_dir
@@ -105,9 +116,11 @@ def _sharded_keys(sharded_sd) -> Dict[str, Any]:
     return out
 
 
-def load_megatron(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], Any]:
+def load_megatron(path: str, tokenizer: Optional[str] = None
+                  ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], Any]:
     """Load a checkpoint of any layout into a TP1PP1 model (inside
-    ``single_process_model_parallel``).
+    ``single_process_model_parallel``); ``tokenizer`` overrides the recorded tokenizer
+    folder (its size sets the vocabulary padding).
 
     Returns:
         (model state dict, lrattn.json contents, the model).
@@ -138,7 +151,7 @@ def load_megatron(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any], A
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     emb = stored.get("embedding.word_embeddings.weight")
     bf16 = emb is not None and emb.dtype == torch.bfloat16
-    vocab = HFTokenizer(tokenizer_dir(vars(args))).vocab_size
+    vocab = HFTokenizer(tokenizer_dir(vars(args), tokenizer)).vocab_size
     model, config = _build_tp1(args, padded_vocab_size(vocab, args.tensor_model_parallel_size), bf16)
     saved_settings = meta.get("model_settings", {})
     diffs = [f"{k}: {saved_settings.get(k)!r} vs args {v!r}"
