@@ -12,8 +12,8 @@ import torch
 
 from helpers import cli_env, finish
 from megatron_lrattn.training.arg_types import ArgumentError
-from megatron_lrattn.training.cuda_graph import StaticBatches, check_cuda_graph_args
-from megatron_lrattn.training.fusions import add_fusion_args
+from megatron_lrattn.training.cuda_graph import StaticBatches
+from megatron_lrattn.training.fusions import add_fusion_args, check_cuda_graph_args
 
 
 def _args(*argv, pp=1, hidden_dropout=0.0, attention_dropout=0.0):

@@ -13,66 +13,62 @@ graph, its inputs and its step counter in class attributes shared by the whole p
 each training step owns its graph, so several models (the arms of ``lrattn-profile`` and
 ``benchmarks/bench_step.py``) are captured and replayed side by side in one process.
 
-Validation steps stay eager. The capture needs CUDA, one pipeline stage (the pipeline
-schedules' point-to-point shapes and the depth-source cache are not captured) and no dropout
+The whole run uses one non-default stream (:func:`use_capture_stream`), the capture and
+the replays included. Validation steps stay eager. The capture needs CUDA, one pipeline
+stage (the pipeline schedules' point-to-point shapes and the depth-source cache are not
+captured) and no dropout
 (megatron-core's RNG tracker switches generator states on the host). The pinned host tables
 the depth kernels copy to the device during the capture are kept as long as the graph
-(``ops.triton_utils.hold_host_buffers``).
+(``ops.triton_utils.hold_host_buffers``). The flags and their checks are in
+``training.fusions`` (no torch import for ``--help``).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Callable, Dict, List, Optional
 
-from megatron_lrattn.training.arg_types import ArgumentError
+import torch
+
+from megatron_lrattn.ops.triton_utils import hold_host_buffers
 
 logger = logging.getLogger(__name__)
 
-CUDA_GRAPH_IMPLS = ("none", "full_iteration")
-
-
-def add_cuda_graph_args(group) -> None:
-    """``--cuda-graph-impl`` and ``--cuda-graph-warmup-steps`` (megatron-LM's names)."""
-    group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
-                       help="full_iteration: capture the training step's forward and backward "
-                            "in one CUDA graph and replay it (CUDA, one pipeline stage; "
-                            "default: none)")
-    group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
-                       help="eager training steps before the capture (default: 3)")
-
-
-def check_cuda_graph_args(args: argparse.Namespace, cuda: bool) -> None:
-    """Refuse a CUDA graph where it cannot run (raises ``ArgumentError``)."""
-    if getattr(args, "cuda_graph_impl", "none") == "none":
-        return
-    if not cuda:
-        raise ArgumentError("--cuda-graph-impl full_iteration needs a CUDA device; "
-                            "use --cuda-graph-impl none on the CPU")
-    if args.pipeline_model_parallel_size != 1:
-        raise ArgumentError(
-            "--cuda-graph-impl full_iteration captures one pipeline stage: it needs "
-            f"--pipeline-model-parallel-size 1 (got {args.pipeline_model_parallel_size})")
-    dropout = [f"--{k.replace('_', '-')} {getattr(args, k)}"
-               for k in ("hidden_dropout", "attention_dropout") if getattr(args, k, 0) or 0]
-    if dropout:
-        raise ArgumentError(
-            f"--cuda-graph-impl full_iteration runs without dropout (megatron-core's RNG "
-            f"tracker switches generator states on the host): got {', '.join(dropout)}")
-    if args.cuda_graph_warmup_steps < 1:
-        raise ArgumentError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}: "
-                            "at least 1 eager step must run before the capture")
-
-
-def _to_static(batch: Dict[str, torch.Tensor], device) -> Dict[str, torch.Tensor]:
+def _to_static(batch, device) -> Dict[str, torch.Tensor]:
     # The dtypes get_batch hands the model, on the device: the forward step's own
-    # conversions are then no-ops and read the static buffers in place.
+    # conversions are then no-ops and read the static buffers in place. Other tensors of
+    # the batch (a document attention mask) come along as they are.
     from megatron_lrattn.data.datasets import get_batch
 
     tokens, labels, loss_mask, position_ids = get_batch(batch, device)
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": position_ids}
+    out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+           "position_ids": position_ids}
+    if isinstance(batch, dict):
+        for k, v in batch.items():
+            if k not in out and isinstance(v, torch.Tensor):
+                out[k] = v.to(device, non_blocking=True)
+    return out
+
+
+_capture_stream: Optional[torch.cuda.Stream] = None
+
+
+def use_capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """Make one non-default CUDA stream current for the rest of the process (created on the
+    first call) and return it.
+
+    Called before the model and its DDP wrapper are built: autograd runs each backward node
+    on the stream that was current when the node was made, and megatron-core's DDP keeps
+    every parameter's gradient accumulator from its construction on. Had those been made
+    on the default stream, a capture on any other stream would make the default (legacy)
+    stream wait for the capturing one, which CUDA refuses. With every step and every node
+    on this stream, capture and replay stay on it.
+    """
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream(device)
+    torch.cuda.set_stream(_capture_stream)
+    return _capture_stream
 
 
 class StaticBatches:
@@ -115,8 +111,6 @@ class StepGraph:
 
     def __init__(self, forward_backward: Callable, num_micro: int, device: torch.device,
                  warmup_steps: int):
-        import torch
-
         self.forward_backward = forward_backward
         self.num_micro = num_micro
         self.inputs = StaticBatches(device)
@@ -125,11 +119,11 @@ class StepGraph:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.losses = None
         self.keep: List[torch.Tensor] = []
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.current_stream(device)
+        if self.stream == torch.cuda.default_stream(device):
+            raise RuntimeError("StepGraph: build the model after use_capture_stream()")
 
     def __call__(self, data_iterator) -> List[Dict]:
-        import torch
-
         batches = self.inputs.fill(data_iterator, self.num_micro)
         if self.graph is None and self.steps >= self.warmup_steps:
             self._capture(batches)
@@ -137,18 +131,9 @@ class StepGraph:
         if self.graph is not None:
             self.graph.replay()
             return self.losses
-        # Eager warm-up steps on the side stream the capture uses, as torch asks.
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            losses = self.forward_backward(iter(batches), False)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return losses
+        return self.forward_backward(iter(batches), False)
 
     def _capture(self, batches) -> None:
-        import torch
-
-        from megatron_lrattn.ops.triton_utils import hold_host_buffers
-
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with hold_host_buffers(self.keep), torch.cuda.graph(

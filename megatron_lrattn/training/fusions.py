@@ -9,6 +9,8 @@ group). On CPU nothing changes: compiling there would cost minutes of test time 
 nothing. The rotary embedding is fused in the SDPA core (``megatron_lrattn.model.attention``).
 ``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
 ``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off.
+``--cuda-graph-impl full_iteration`` replays the step's forward and backward as one CUDA
+graph (``megatron_lrattn.training.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import argparse
 import logging
 from typing import Dict
 
+from megatron_lrattn.training.arg_types import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 
 def add_fusion_args(parser: argparse.ArgumentParser) -> None:
     """The ``--no-*-fusion`` flags (megatron-LM's names where it has them)."""
-    from megatron_lrattn.training.cuda_graph import add_cuda_graph_args
-
     g = parser.add_argument_group("kernel fusion and CUDA graphs (CUDA; the CPU path is "
                                   "always unfused and eager)")
     g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
@@ -90,3 +92,38 @@ def use_fused_adamw(optimizer, enabled: bool = True) -> int:
         logger.info("optimizer: torch fused AdamW (%d parameter set%s)", switched,
                     "s" if switched > 1 else "")
     return switched
+
+
+CUDA_GRAPH_IMPLS = ("none", "full_iteration")
+
+
+def add_cuda_graph_args(group) -> None:
+    """``--cuda-graph-impl`` and ``--cuda-graph-warmup-steps`` (megatron-LM's names)."""
+    group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
+                       help="full_iteration: capture the training step's forward and backward "
+                            "in one CUDA graph and replay it (CUDA, one pipeline stage; "
+                            "default: none)")
+    group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
+                       help="eager training steps before the capture (default: 3)")
+
+
+def check_cuda_graph_args(args: argparse.Namespace, cuda: bool) -> None:
+    """Refuse a CUDA graph where it cannot run (raises ``ArgumentError``)."""
+    if getattr(args, "cuda_graph_impl", "none") == "none":
+        return
+    if not cuda:
+        raise ArgumentError("--cuda-graph-impl full_iteration needs a CUDA device; "
+                            "use --cuda-graph-impl none on the CPU")
+    if args.pipeline_model_parallel_size != 1:
+        raise ArgumentError(
+            "--cuda-graph-impl full_iteration captures one pipeline stage: it needs "
+            f"--pipeline-model-parallel-size 1 (got {args.pipeline_model_parallel_size})")
+    dropout = [f"--{k.replace('_', '-')} {getattr(args, k)}"
+               for k in ("hidden_dropout", "attention_dropout") if getattr(args, k, 0) or 0]
+    if dropout:
+        raise ArgumentError(
+            f"--cuda-graph-impl full_iteration runs without dropout (megatron-core's RNG "
+            f"tracker switches generator states on the host): got {', '.join(dropout)}")
+    if args.cuda_graph_warmup_steps < 1:
+        raise ArgumentError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}: "
+                            "at least 1 eager step must run before the capture")

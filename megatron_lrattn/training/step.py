@@ -23,7 +23,8 @@ from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
 from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training import faults
 from megatron_lrattn.training.arg_types import ArgumentError
-from megatron_lrattn.training.cuda_graph import StepGraph, check_cuda_graph_args
+from megatron_lrattn.training.cuda_graph import StepGraph, use_capture_stream
+from megatron_lrattn.training.fusions import check_cuda_graph_args
 from megatron_lrattn.training.builder import (
     build_config,
     build_model_chunks,
@@ -215,6 +216,8 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         device: where batches go.
     """
     check_cuda_graph_args(args, device.type == "cuda")
+    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
+        use_capture_stream(device)
     # One chunk, or one per virtual stage sharing the rank's depth-source cache.
     chunks = build_model_chunks(config, args, vocab_size)
     num_params = sum(p.numel() for m in chunks for p in m.parameters())
