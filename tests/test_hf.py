@@ -93,6 +93,17 @@ def exported(checkpoints, megatron_models, tmp_path_factory):
             for name, path in checkpoints.items()}
 
 
+def _load_hf(path, **kw):
+    """The exported model: a plain ``LlamaForCausalLM`` (the standard arm's default export)
+    or our ``LRAttnForCausalLM``."""
+    from transformers import LlamaForCausalLM
+
+    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
+
+    llama = json.loads((Path(path) / "config.json").read_text())["model_type"] == "llama"
+    return (LlamaForCausalLM if llama else LRAttnForCausalLM).from_pretrained(path, **kw).eval()
+
+
 def _tokens(seed=0, b=2, s=24, vocab=4000):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (b, s), generator=g)
@@ -127,10 +138,10 @@ def _hf_from_megatron(model, config):
 def test_exported_logits_match_megatron(mode, megatron_models, exported):
     from transformers import AutoConfig
 
-    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
-
     model, _ = megatron_models[mode]
-    hf = LRAttnForCausalLM.from_pretrained(exported[mode]).eval()
+    hf = _load_hf(exported[mode])
+    # The standard arm (biases, GQA, RMSNorm, SwiGLU, RoPE) is a plain Llama by default.
+    assert (type(hf).__name__ == "LlamaForCausalLM") == (mode == "standard")
     assert hf.config.vocab_size <= model.vocab_size
     tokens = _tokens()
     want = _megatron_logits(model, tokens)[..., : hf.config.vocab_size]
@@ -156,6 +167,22 @@ def test_exported_logits_match_megatron(mode, megatron_models, exported):
             with torch.no_grad():
                 for k, q in model.decoder.depth_queries.items():
                     q.weight.copy_(saved[k])
+
+
+@pytest.mark.slow
+def test_standard_exports_as_lrattn_on_request(checkpoints, megatron_models, tmp_path):
+    from megatron_lrattn.hf.export import megatron_checkpoint_to_hf
+    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
+
+    out = megatron_checkpoint_to_hf(str(checkpoints["standard"]), str(tmp_path / "ours"),
+                                    hf_format="lrattn")
+    assert json.loads((Path(out) / "config.json").read_text())["model_type"] == "lrattn"
+    model, _ = megatron_models["standard"]
+    hf = LRAttnForCausalLM.from_pretrained(out).eval()
+    tokens = _tokens()
+    want = _megatron_logits(model, tokens)[..., : hf.config.vocab_size]
+    with torch.no_grad():
+        assert (hf(tokens).logits - want).abs().max().item() <= ATOL
 
 
 @pytest.mark.slow
@@ -187,9 +214,7 @@ def test_megatron_hf_megatron_is_bit_identical(mode, megatron_models, exported, 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_generate_with_kv_cache_equals_without(mode, exported):
-    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
-
-    hf = LRAttnForCausalLM.from_pretrained(exported[mode]).eval()
+    hf = _load_hf(exported[mode])
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for q in getattr(hf.model, "depth_queries", {}).values():
@@ -208,7 +233,7 @@ def test_generate_with_kv_cache_equals_without(mode, exported):
                   out.past_key_values, use_cache=True).logits
     torch.testing.assert_close(step, full[:, 9:], rtol=0, atol=1e-5)
     # bf16: queries stay fp32 and generation runs.
-    bf = LRAttnForCausalLM.from_pretrained(exported[mode], dtype=torch.bfloat16).eval()
+    bf = _load_hf(exported[mode], dtype=torch.bfloat16)
     assert bf.model.embed_tokens.weight.dtype == torch.bfloat16
     for q in getattr(bf.model, "depth_queries", {}).values():
         assert q.weight.dtype == torch.float32
@@ -221,9 +246,14 @@ for name in ("megatron", "megatron.core", "megatron_lrattn"):
     sys.modules[name] = None
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+import json, os
+from transformers import PreTrainedTokenizerFast
 for path in sys.argv[1:]:
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    llama = json.load(open(os.path.join(path, "config.json")))["model_type"] == "llama"
+    # A Llama export needs no remote code, for the model nor its tokenizer.
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=not llama).eval()
+    tok = (AutoTokenizer.from_pretrained(path) if llama
+           else PreTrainedTokenizerFast.from_pretrained(path))
     ids = tok("def main():", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
     assert out.shape[1] == ids.shape[1] + 6
@@ -236,8 +266,10 @@ print("megatron loaded:", [m for m in sys.modules if m.startswith("megatron") an
 def test_loads_and_generates_without_megatron(exported, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_MODULES_CACHE=str(tmp_path / "mods"))
     proc = subprocess.run([sys.executable, "-c", NO_MEGATRON, *map(str, exported.values())],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "custom code" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
     assert "megatron loaded: []" in proc.stdout
     # The small shard size made some exports sharded.
     assert any((p / "model.safetensors.index.json").is_file() for p in exported.values())

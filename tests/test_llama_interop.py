@@ -88,9 +88,13 @@ def test_llama_import_export_logits(name, tokenizer_dir, tmp_path, monkeypatch):
     print(f"{name}: Llama -> Megatron max |logit diff| = {err:.3g}")
     assert err <= ATOL
 
-    # The export is a plain Llama: no remote code, standard names, the same weights.
+    # The export is a plain Llama: no remote code, standard names, the same weights; the
+    # converted checkpoint still finds its tokenizer copy after a move, from anywhere.
+    os.rename(tmp_path / "ckpt", tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
     export = tmp_path / "export"
-    megatron_checkpoint_to_hf(str(tmp_path / "ckpt"), str(export))
+    megatron_checkpoint_to_hf(str(tmp_path / "moved"), str(export))
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert "auto_map" not in cfg and not list(export.glob("*.py"))

@@ -31,9 +31,12 @@ NORM_EPS = 1e-5
 """``layernorm_epsilon`` of every model built by ``training.builder.build_config``."""
 
 
-def tokenizer_dir(args: Dict[str, Any], override: Optional[str] = None) -> str:
+def tokenizer_dir(args: Dict[str, Any], override: Optional[str] = None,
+                  checkpoint: Optional[str] = None) -> str:
     """The tokenizer folder of a run, as an absolute path: ``override`` when given, else the
-    run's ``--tokenizer-model``, else the default data's.
+    run's ``--tokenizer-model`` (when that folder is gone, the ``tokenizer/`` beside the
+    checkpoint folder ``checkpoint``, where ``lrattn-convert-megatron`` puts its copy, so a
+    moved conversion still loads), else the default data's.
 
     Raises:
         CheckpointError: the folder is missing (a relative path recorded by a run started
@@ -44,6 +47,10 @@ def tokenizer_dir(args: Dict[str, Any], override: Optional[str] = None) -> str:
             raise CheckpointError(f"--tokenizer {override}: not a directory")
         return os.path.abspath(override)
     if args.get("tokenizer_model"):
+        beside = (os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "tokenizer")
+                  if checkpoint else None)
+        if not os.path.isdir(args["tokenizer_model"]) and beside and os.path.isdir(beside):
+            return beside
         if not os.path.isdir(args["tokenizer_model"]):
             raise CheckpointError(f"tokenizer folder {args['tokenizer_model']} (recorded in "
                                   f"{META_NAME}) not found from {os.getcwd()}; pass "
@@ -151,7 +158,7 @@ def load_megatron(path: str, tokenizer: Optional[str] = None
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     emb = stored.get("embedding.word_embeddings.weight")
     bf16 = emb is not None and emb.dtype == torch.bfloat16
-    vocab = HFTokenizer(tokenizer_dir(vars(args), tokenizer)).vocab_size
+    vocab = HFTokenizer(tokenizer_dir(vars(args), tokenizer, path)).vocab_size
     model, config = _build_tp1(args, padded_vocab_size(vocab, args.tensor_model_parallel_size), bf16)
     saved_settings = meta.get("model_settings", {})
     diffs = [f"{k}: {saved_settings.get(k)!r} vs args {v!r}"
