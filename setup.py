@@ -24,6 +24,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.2"],
         "plots": ["matplotlib>=3.7"],
+        # lm-evaluation-harness with its Hugging Face model backend (docs/eval.md).
+        "lm_eval": ["lm-eval[hf]>=0.4"],
         # The tests draw the plots and run the kernels under TRITON_INTERPRET=1.
         "test": ["pytest", "hypothesis", "triton>=3.2,<3.7", "matplotlib>=3.7"],
     },
@@ -36,6 +38,7 @@ setup(
             "lrattn-convert-megatron=megatron_lrattn.cli.convert_megatron:main",
             "lrattn-profile=megatron_lrattn.cli.profile:main",
             "lrattn-analyze=megatron_lrattn.cli.analyze:main",
+            "lrattn-eval=megatron_lrattn.cli.eval:main",
         ],
     },
 )
