@@ -13,6 +13,7 @@ from megatron_lrattn.training.fusions import fusion_config, use_fused_adamw
 from megatron_lrattn.model.gpt import LRAttnResGPTModel
 from megatron_lrattn.model.init import init_by_global_name
 from megatron_lrattn.model.spec import get_lr_attnres_block_spec, get_lr_attnres_layer_spec
+from megatron_lrattn.training.schedule import build_scheduler
 
 
 SPEC_BACKENDS = {"local": "local", "transformer_engine": "te"}
@@ -161,9 +162,9 @@ def wrap_model(model, config: LRAttnResConfig, use_distributed_optimizer: bool):
 def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namespace
                     ) -> Tuple[object, object]:
     """AdamW (1-D parameters, i.e. norms, biases and depth queries, get no weight decay)
-    and the LR schedule (warm-up then cosine, linear, constant or WSD)."""
+    and the LR schedule (``schedule.build_scheduler``: warm-up then cosine, linear, constant
+    or WSD)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -179,22 +180,5 @@ def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namesp
     )
     optimizer = get_megatron_optimizer(opt_config, models)
     use_fused_adamw(optimizer, getattr(args, "fused_adamw", True))
-    wsd_iters = None
-    if args.lr_decay_style == "WSD":
-        wsd_iters = args.lr_wsd_decay_iters or max(1, args.train_iters // 5)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.train_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
-        wd_incr_style="constant",
-        wsd_decay_steps=wsd_iters,
-        lr_wsd_decay_style="linear" if wsd_iters else None,
-    )
+    scheduler = build_scheduler(optimizer, args)
     return optimizer, scheduler

@@ -6,7 +6,12 @@ import argparse
 import json
 from typing import Any, Dict
 
-from megatron_lrattn.training.arg_types import ArgumentError, positive_int
+from megatron_lrattn.training.arg_types import (
+    ArgumentError,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 
 
 def _config_value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
@@ -26,17 +31,21 @@ def _config_value(path: str, key: str, action: argparse.Action, value: Any) -> A
             raise bad("a non-empty list")
         return [str(v) for v in value]
     kind = action.type
-    if kind in (int, positive_int):
+    if kind in (int, positive_int, nonnegative_int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad("an integer")
         try:
             value = kind(str(value))
         except argparse.ArgumentTypeError as e:
-            raise bad(f"a positive integer ({e})") from None
-    elif kind is float:
+            raise bad(f"a {'positive' if kind is positive_int else 'non-negative'} integer "
+                      f"({e})") from None
+    elif kind in (float, positive_float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("a number")
-        value = float(value)
+        try:
+            value = kind(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise bad(f"a number > 0 ({e})") from None
     elif not isinstance(value, str):
         raise bad("a string")
     if action.choices is not None and value not in action.choices:

@@ -14,17 +14,26 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 
 from megatron_lrattn.data.datasets import build_gpt_datasets
+from megatron_lrattn.data.loader import rank_batches
 from megatron_lrattn.data.tokenizer import HFTokenizer
 from megatron_lrattn.depth.state import uses_two_phase
 from megatron_lrattn.depth.payload import log_pipeline_payloads
 from megatron_lrattn.training.builder import padded_vocab_size, virtual_stages
 from megatron_lrattn.data.datasets import parse_blend
 from megatron_lrattn.training.checkpoint import check_save_space, load_checkpoint
-from megatron_lrattn.training.checkpoint_io import architecture, data_identity
+from megatron_lrattn.training.checkpoint_io import (
+    architecture,
+    data_identity,
+    latest_checkpoint,
+    read_meta,
+)
 from megatron_lrattn.training.checkpointer import Checkpointer
 from megatron_lrattn.training.determinism import enable_deterministic
 from megatron_lrattn.training.fusions import use_fused_adamw
+from megatron_lrattn.training.resume import describe as describe_start
+from megatron_lrattn.training.resume import load_weights, refuse_weights_only, start_point
 from megatron_lrattn.training.runtime import Runtime, init_runtime, provenance
+from megatron_lrattn.training.schedule import check_resume_schedule, describe_schedule
 from megatron_lrattn.training.step import (
     build_train_step,
     check_sequence_parallel,
@@ -38,24 +47,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What a run produced: first and last validation loss, iterations, checkpoint."""
+    """What a run produced.
+
+    Attributes:
+        first_valid_loss, first_valid_iteration: the validation before the first step.
+        final_valid_loss, final_valid_iteration: the last validation and its iteration
+            (before ``iterations`` when the run stopped early between validations).
+        iterations: the iteration the run ended at.
+        checkpoint: the last checkpoint folder, or None.
+        stop_reason: why it stopped before ``--train-iters`` (``exit signal``,
+            ``--exit-interval N``), else None.
+    """
 
     first_valid_loss: Optional[float]
     final_valid_loss: Optional[float]
     iterations: int
     checkpoint: Optional[str]
-
-
-def _batches(dataset, start_sample: int, mbs: int, dp_rank: int, dp: int) -> Iterator[Dict]:
-    """Micro-batches of this data-parallel rank, continuing after ``start_sample`` samples
-    of the global order (so a resumed run sees exactly the data it would have seen)."""
-    n = len(dataset)
-    base = start_sample
-    while True:
-        idx = [(base + dp_rank * mbs + k) % n for k in range(mbs)]
-        samples = [dataset[i] for i in idx]
-        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
-        base += mbs * dp
+    first_valid_iteration: int = 0
+    final_valid_iteration: int = 0
+    stop_reason: Optional[str] = None
 
 
 def _per_chunk(make: Callable[[], Iterator[Dict]], n_chunks: int):
@@ -126,6 +136,32 @@ def _drop_replayed(path: str, iteration: int) -> int:
     return dropped
 
 
+QUIET_LOGGERS = ("megatron.core.datasets", "megatron.core.distributed",
+                 "megatron.core.optimizer", "megatron.core.optimizer_param_scheduler")
+"""megatron-core loggers that log at INFO what the run summarises itself (every DDP bucket's
+parameters, the optimizer and dataset config reprs, each index file read): WARNING and
+above pass."""
+
+
+def quiet_megatron_loggers() -> None:
+    """Raise ``QUIET_LOGGERS`` to WARNING (their warnings and errors still show)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def log_setup_summary(step, args: argparse.Namespace) -> None:
+    """A few lines in place of megatron's config reprs: parameters, DDP buckets, optimizer."""
+    buckets = sum(len(getattr(buf, "buckets", ())) for m in step.models
+                  for buf in list(getattr(m, "buffers", [])) + list(
+                      getattr(m, "expert_parallel_buffers", [])))
+    logger.info("model: %s parameters on this rank in %d chunk(s); DDP: %d gradient "
+                "bucket(s), reduced in fp32%s", f"{step.num_params:,}", len(step.models),
+                buckets, ", distributed optimizer" if args.use_distributed_optimizer else "")
+    logger.info("optimizer: AdamW, betas (%g, %g), weight decay %g (none on 1-D tensors), "
+                "gradient clipping at %g", args.adam_beta1, args.adam_beta2, args.weight_decay,
+                args.clip_grad)
+
+
 def train_flops_per_token(args: argparse.Namespace, vocab_size: int) -> int:
     """Forward + backward FLOPs per token of the MFU formula (``lrattn-flops``: 6 M + 12 L s a
     k, plus three times the depth reads' forward FLOPs)."""
@@ -155,6 +191,7 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
 def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResult:
     from megatron.core import parallel_state as ps
 
+    quiet_megatron_loggers()
     check_sequence_parallel(args)
     if args.deterministic:
         enable_deterministic()
@@ -165,37 +202,74 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     num_micro = num_microbatches(args, rt.dp)
 
-    if args.data_path is None:
-        from megatron_lrattn.data.default_corpus import ensure_default_data
-
-        default = ensure_default_data(cache_dir=args.cache_dir)
-        data_path, tokenizer_dir = default.data_prefix, default.tokenizer_dir
-        split = default.split if args.split == "969,30,1" else args.split
-        logger.info("data: embedded standard-library corpus at %s", default.root)
-    else:
-        data_path, tokenizer_dir, split = args.data_path, args.tokenizer_model, args.split
-    tokenizer = HFTokenizer(tokenizer_dir)
     n_evals = args.train_iters // args.eval_interval + 2
-    train_ds, valid_ds, _ = build_gpt_datasets(
-        data_path, tokenizer, args.seq_length, split=split, seed=args.seed,
-        num_samples=(args.train_iters * gbs, args.eval_iters * gbs * n_evals, args.eval_iters * gbs),
-        cache_dir=os.path.join(args.cache_dir, "index") if args.cache_dir else None,
-    )
+    sizes = (args.train_iters * gbs, args.eval_iters * gbs * n_evals, args.eval_iters * gbs)
+    masking = dict(reset_position_ids=args.reset_position_ids,
+                   reset_attention_mask=args.reset_attention_mask,
+                   eod_mask_loss=args.eod_mask_loss,
+                   create_attention_mask=args.reset_attention_mask)
+    if args.mock_data:
+        from megatron_lrattn.data.mock import MockTokenizer, build_mock_datasets
+
+        tokenizer_dir = args.tokenizer_model
+        tokenizer = (HFTokenizer(tokenizer_dir) if tokenizer_dir
+                     else MockTokenizer(args.vocab_size))
+        data_path, split = ["mock"], args.split
+        train_ds, valid_ds, _ = build_mock_datasets(
+            tokenizer, args.seq_length, seed=args.seed, num_samples=sizes, split=split,
+            cache_dir=os.path.join(args.cache_dir, "index") if args.cache_dir else None,
+            **masking)
+        logger.info("data: --mock-data, synthetic tokens (%r)", tokenizer)
+    else:
+        if args.data_path is None:
+            from megatron_lrattn.data.default_corpus import ensure_default_data
+
+            default = ensure_default_data(cache_dir=args.cache_dir)
+            data_path, tokenizer_dir = default.data_prefix, default.tokenizer_dir
+            split = default.split if args.split == "969,30,1" else args.split
+            logger.info("data: embedded standard-library corpus at %s", default.root)
+        else:
+            data_path, tokenizer_dir, split = args.data_path, args.tokenizer_model, args.split
+        tokenizer = HFTokenizer(tokenizer_dir)
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            data_path, tokenizer, args.seq_length, split=split, seed=args.seed,
+            num_samples=sizes,
+            cache_dir=os.path.join(args.cache_dir, "index") if args.cache_dir else None,
+            **masking)
+    logger.info("data: %d training and %d validation samples of %d tokens%s", len(train_ds),
+                len(valid_ds), args.seq_length, "".join(
+                    f", --{k.replace('_', '-')}" for k, v in masking.items()
+                    if v and k != "create_attention_mask"))
 
     vocab = padded_vocab_size(tokenizer.vocab_size, rt.tp)
     step = build_train_step(args, config, vocab,
                             num_micro, rt.device)
     models, optimizer, scheduler = step.models, step.optimizer, step.scheduler
+    log_setup_summary(step, args)
     if args.save:
         check_save_space(args.save, step.num_params, config.bf16, rt.dp)
 
     records = {"architecture": architecture(args, config, tokenizer.vocab_size),
-               "data": data_identity(*parse_blend(data_path), split, tokenizer_dir)}
+               "data": (data_identity(*parse_blend(data_path), split, tokenizer_dir)
+                        if not args.mock_data else
+                        {"mock": True, "vocab_size": tokenizer.vocab_size, "split": split})}
     iteration, consumed = 0, 0
-    if args.load:
-        meta = load_checkpoint(args.load, models, optimizer, scheduler, config, records)
+    start = start_point(args)
+    if start.path and start.weights_only:
+        meta = load_weights(start.path, models, config, records["architecture"])
+        if start.keep_progress:
+            iteration, consumed = meta["iteration"], meta["consumed_samples"]
+    elif start.path:
+        path = latest_checkpoint(start.path)
+        meta = read_meta(path)
+        refuse_weights_only(meta, path, start.path)
+        check_resume_schedule(meta.get("scheduler"), scheduler, args, path)
+        meta = load_checkpoint(start.path, models, optimizer, scheduler, config, records)
         use_fused_adamw(optimizer, args.fused_adamw)  # not the saved run's setting
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
+    resumed = iteration if start.keep_progress else None
+    logger.info(describe_start(start, args))
+    logger.info("schedule: %s", describe_schedule(args))
     info = dict(provenance(), params=step.num_params, world_size=rt.world_size, tp=rt.tp,
                 pp=rt.pp, dp=rt.dp, residual=config.residual, key=config.key_type,
                 rank=config.key_rank, num_blocks=config.num_blocks, bf16=config.bf16)
@@ -216,24 +290,25 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
         log_pipeline_payloads(config, args.seq_length, mbs)
 
     def valid_batches():
-        return _per_chunk(lambda: _batches(valid_ds, 0, mbs, dp_rank, rt.dp), len(models))
+        # Every validation reads the same first batches: in this process, no workers.
+        return _per_chunk(lambda: rank_batches(valid_ds, 0, mbs, dp_rank, rt.dp), len(models))
 
     def evaluate() -> float:
         return step.evaluate(valid_batches, args.eval_iters)
 
     # From here on SIGTERM saves and exits instead of killing the run.
-    same_folder = bool(args.load and args.save) and (
-        os.path.realpath(args.load) == os.path.realpath(args.save))
+    same_folder = bool(start.path and args.save and resumed is not None) and (
+        os.path.realpath(start.path) == os.path.realpath(args.save))
     checkpointer = Checkpointer(args, models, optimizer, scheduler, config, records,
                                 loaded=iteration if same_folder else None)
-    writer = MetricsWriter(args.log_json, resume_from=iteration if args.load else None,
-                           enabled=rt.is_main)
+    writer = MetricsWriter(args.log_json, resume_from=resumed, enabled=rt.is_main)
     metrics = with_trackers(writer, args, enabled=rt.is_main)
     try:
         return _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate,
                       train_ds, dp_rank, vocab, iteration, consumed,
                       dict(info, **({"resumed_from": iteration, "dropped_records":
-                                     writer.dropped} if args.load else {})))
+                                     writer.dropped} if resumed is not None else {}),
+                           **({"started_from": start.path} if start.path else {})))
     except BaseException:
         checkpointer.abort()
         metrics.close()
@@ -254,9 +329,11 @@ def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, t
     first_valid = evaluate()
     metrics.write({"type": "valid", "iteration": iteration, "loss": first_valid})
     logger.info("validation loss at iteration %d: %.4f", iteration, first_valid)
+    first_iteration = last_valid_iteration = iteration
     last_valid = first_valid
-    train_iter = _per_chunk(lambda: _batches(train_ds, consumed, mbs, dp_rank, rt.dp),
-                            len(models))
+    stop_reason = None
+    train_iter = _per_chunk(lambda: rank_batches(train_ds, consumed, mbs, dp_rank, rt.dp,
+                                                 num_workers=args.num_workers), len(models))
     tokens_per_step = gbs * args.seq_length
     step_flops = train_flops_per_token(args, vocab) * tokens_per_step
     while iteration < args.train_iters:
@@ -284,24 +361,28 @@ def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, t
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if iteration % args.log_interval == 0:
             gn = record["grad_norm"]
-            logger.info("iter %d loss %.4f grad_norm %s lr %.3e tokens/s %.0f TFLOP/s/GPU %.1f "
-                        "MFU %.1f%%", iteration, loss, "skipped" if gn is None else f"{gn:.4g}",
+            logger.info("iter %d loss %.4f grad_norm %s lr %.3e tokens/s %.0f TFLOP/s/GPU %.3g "
+                        "MFU %.2g%%", iteration, loss, "skipped" if gn is None else f"{gn:.4g}",
                         lr, tokens_per_step / dt, record["tflops_per_gpu"], 100 * record["mfu"])
         if iteration % args.eval_interval == 0 or iteration == args.train_iters:
-            last_valid = evaluate()
+            last_valid, last_valid_iteration = evaluate(), iteration
             metrics.write({"type": "valid", "iteration": iteration, "loss": last_valid})
             logger.info("validation loss at iteration %d: %.4f", iteration, last_valid)
         checkpointer.after_iteration(iteration, consumed)
         if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
             logger.info("--exit-interval %d: stopping at iteration %d%s", args.exit_interval,
                         iteration, " (saving)" if args.save else "")
+            stop_reason = f"--exit-interval {args.exit_interval}"
             break
         if checkpointer.exit_requested():
             logger.info("exit signal received: %s at iteration %d",
                         "saving and exiting" if args.save else "exiting (no --save)", iteration)
+            stop_reason = "exit signal"
             break
     if bar is not None:
         bar.close()
     checkpoint = checkpointer.finish(iteration, consumed)
     metrics.close()
-    return TrainResult(first_valid, last_valid, iteration, checkpoint)
+    return TrainResult(first_valid, last_valid, iteration, checkpoint,
+                       first_valid_iteration=first_iteration,
+                       final_valid_iteration=last_valid_iteration, stop_reason=stop_reason)

@@ -91,9 +91,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(device, data_iterator, model):
-    """megatron's forward-step function: the next micro-batch through ``model``."""
-    tokens, labels, loss_mask, position_ids = get_batch(next(data_iterator), device)
-    output = model(tokens, position_ids, None, labels=labels)
+    """megatron's forward-step function: the next micro-batch through ``model`` (with its
+    document attention mask, [b, 1, s, s] True = masked, when the batch has one:
+    ``--reset-attention-mask``)."""
+    batch = next(data_iterator)
+    tokens, labels, loss_mask, position_ids = get_batch(batch, device)
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if mask is not None:
+        mask = mask.to(device, non_blocking=True)
+    output = model(tokens, position_ids, mask, labels=labels)
     return output, partial(loss_func, loss_mask)
 
 

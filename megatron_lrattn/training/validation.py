@@ -258,7 +258,11 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ArgumentError("--data-path needs --tokenizer-model (a Hugging Face tokenizer folder)")
     if args.tokenizer_model is not None and not os.path.isdir(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model: {args.tokenizer_model} is not a directory")
-    if args.load is not None and not os.path.isdir(args.load):
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained is not None and not os.path.isdir(pretrained):
+        raise ArgumentError(f"--pretrained-checkpoint: {pretrained} is not a directory")
+    # With --pretrained-checkpoint, --load may not exist yet (the run starts from the weights).
+    if args.load is not None and not os.path.isdir(args.load) and pretrained is None:
         raise ArgumentError(f"--load: {args.load} is not a directory")
     if args.exit_signal_handler is None:
         args.exit_signal_handler = args.save is not None
