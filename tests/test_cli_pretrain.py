@@ -91,7 +91,8 @@ def trained(tmp_path_factory, cache_dir):
 
 def test_short_run_writes_metrics_and_checkpoint(trained):
     work, ckpt, log, out = trained
-    assert "final validation loss:" in out
+    assert "validation loss at start (iteration 0): " in out
+    assert "final validation loss (iteration 6): " in out
     recs = _records(log)
     runs = [r for r in recs if r["type"] == "run"]
     train = [r for r in recs if r["type"] == "train"]
@@ -121,8 +122,10 @@ def test_short_run_writes_metrics_and_checkpoint(trained):
 def resumed(trained, cache_dir):
     work, ckpt, log, _ = trained
     before = _records(log)
+    # A longer run than the saved schedule: this run's schedule from the saved step on.
     rc, out, err = _run([*SMALL, "--train-iters", "8", "--load", str(ckpt), "--save", str(ckpt),
-                         "--log-json", str(log)], cache_dir, work)
+                         "--override-opt_param-scheduler", "--log-json", str(log)], cache_dir,
+                        work)
     assert rc == 0, err[-4000:]
     assert "Traceback" not in out + err
     return before, _records(log)[len(before):]
@@ -164,9 +167,47 @@ def test_bf16_run_saves_and_resumes(tmp_path, cache_dir):
     base = [*SMALL, "--bf16", "--save", str(ckpt), "--log-json", str(log)]
     rc, out, err = _run([*base, "--train-iters", "3"], cache_dir, tmp_path)
     assert rc == 0, err[-4000:]
-    rc, out, err = _run([*base, "--train-iters", "4", "--load", str(ckpt)], cache_dir, tmp_path)
+    rc, out, err = _run([*base, "--train-iters", "4", "--load", str(ckpt),
+                         "--override-opt-param-scheduler"], cache_dir, tmp_path)
     assert rc == 0, err[-4000:]
     assert "Traceback" not in out + err
     train = [r for r in _records(log) if r["type"] == "train"]
     assert [r["iteration"] for r in train] == [1, 2, 3, 4]
     assert (ckpt / "latest").read_text().strip() == "iter_0000004"
+
+
+def test_help_is_fast_imports_no_megatron_and_shows_every_default(tmp_path):
+    import time
+
+    code = ("import sys, time; t = time.perf_counter(); sys.argv = ['lrattn-pretrain', "
+            "'--help']\nfrom megatron_lrattn.cli.pretrain import main\ntry:\n    main()\n"
+            "except SystemExit:\n    pass\nprint('SECONDS', time.perf_counter() - t)\n"
+            "print('MODULES', any(m.startswith(('megatron.core', 'torch')) for m in sys.modules))")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert "MODULES False" in proc.stdout
+    inside = float(proc.stdout.split("SECONDS")[1].split()[0])
+    assert inside < 1.0 and wall < 5.0, (inside, wall)
+
+    from megatron_lrattn.training.arguments import build_parser
+
+    for preset in (None, "1b"):
+        for action in build_parser(preset)._actions:
+            if action.dest == "help":
+                continue
+            assert action.help and "default" in action.help, action.option_strings
+    helps = {a.dest: a.help for a in build_parser("1b")._actions}
+    assert "(default: 16, from --preset 1b)" in helps["num_layers"]
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert "tiny 4" in helps["num_layers"] or "from --preset tiny" in helps["num_layers"]
+
+
+def test_parser_choices_equal_the_config_module():
+    from megatron_lrattn.model import config
+    from megatron_lrattn.training import arguments
+
+    for name in ("RESIDUAL_MODES", "KEY_TYPES", "DEPTH_BACKENDS", "DEPTH_SCHEDULES"):
+        assert getattr(arguments, name) == getattr(config, name), name
