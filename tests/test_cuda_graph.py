@@ -13,39 +13,50 @@ import torch
 from helpers import cli_env, finish
 from megatron_lrattn.training.arg_types import ArgumentError
 from megatron_lrattn.training.cuda_graph import StaticBatches
-from megatron_lrattn.training.fusions import add_fusion_args, check_cuda_graph_args
+from megatron_lrattn.training.fusions import add_fusion_args, cuda_graph_impl
 
 
-def _args(*argv, pp=1, hidden_dropout=0.0, attention_dropout=0.0):
+def _args(*argv, pp=1, hidden_dropout=0.0, attention_dropout=0.0, impl="local"):
     p = argparse.ArgumentParser()
     add_fusion_args(p)
     a = p.parse_args(list(argv))
     a.pipeline_model_parallel_size = pp
     a.hidden_dropout, a.attention_dropout = hidden_dropout, attention_dropout
+    a.transformer_impl = impl
     return a
 
 
-def test_off_by_default_and_nothing_to_check():
+def test_auto_by_default_on_where_it_applies():
     a = _args()
-    assert a.cuda_graph_impl == "none" and a.cuda_graph_warmup_steps == 3
-    check_cuda_graph_args(a, cuda=False)
+    assert a.cuda_graph_impl == "auto" and a.cuda_graph_warmup_steps == 3
+    assert cuda_graph_impl(a, cuda=True) == "full_iteration"
+    assert cuda_graph_impl(_args("--cuda-graph-impl", "none"), cuda=True) == "none"
 
 
-@pytest.mark.parametrize("kw,cuda,needle", [
+OBSTACLES = [
     ({}, False, "needs a CUDA device"),
     ({"pp": 2}, True, "--pipeline-model-parallel-size 1 (got 2)"),
     ({"hidden_dropout": 0.1}, True, "--hidden-dropout 0.1"),
     ({"attention_dropout": 0.1}, True, "--attention-dropout 0.1"),
-])
+    ({"impl": "transformer_engine"}, True, "--transformer-impl transformer_engine"),
+]
+
+
+@pytest.mark.parametrize("kw,cuda,needle", OBSTACLES)
+def test_auto_steps_aside_where_it_cannot_run(kw, cuda, needle):
+    assert cuda_graph_impl(_args(**kw), cuda=cuda) == "none"
+
+
+@pytest.mark.parametrize("kw,cuda,needle", OBSTACLES)
 def test_refused_where_it_cannot_run(kw, cuda, needle):
     with pytest.raises(ArgumentError) as e:
-        check_cuda_graph_args(_args("--cuda-graph-impl", "full_iteration", **kw), cuda=cuda)
+        cuda_graph_impl(_args("--cuda-graph-impl", "full_iteration", **kw), cuda=cuda)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_refuses_zero_warmup_steps():
     with pytest.raises(ArgumentError, match="--cuda-graph-warmup-steps 0"):
-        check_cuda_graph_args(
+        cuda_graph_impl(
             _args("--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "0"),
             cuda=True)
 
@@ -106,7 +117,7 @@ def _losses(tmp_path, cache_dir, name, extra):
                                   ["--residual", "lr_attnres", "--key", "projected",
                                    "--rank", "16"]])
 def test_captured_steps_train_like_eager_steps(tmp_path, cache_dir, mode):
-    eager = _losses(tmp_path, cache_dir, "eager", mode)
+    eager = _losses(tmp_path, cache_dir, "eager", [*mode, "--cuda-graph-impl", "none"])
     graph = _losses(tmp_path, cache_dir, "graph", [*mode, "--cuda-graph-impl", "full_iteration",
                                         "--cuda-graph-warmup-steps", "2"])
     assert len(eager) == len(graph) == 8

@@ -167,6 +167,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     from megatron_lrattn.profiling.runner import depth_read_kernel_names, run_arms
     from megatron_lrattn.training.builder import padded_vocab_size, virtual_stages
     from megatron_lrattn.training.determinism import enable_deterministic
+    from megatron_lrattn.training.fusions import cuda_graph_impl
     from megatron_lrattn.training.runtime import init_runtime, shutdown_runtime
     from megatron_lrattn.training.step import check_sequence_parallel, num_microbatches, use_bf16
 
@@ -200,7 +201,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
                 "global_batch_size": args.global_batch_size, "num_microbatches": num_micro,
                 "tokens_per_step": tokens_per_step, "vocab_size": vocab,
                 "bf16": use_bf16(args),
-                "depth_backend": args.depth_backend, "rounds": args.rounds,
+                "depth_backend": args.depth_backend,
+                "cuda_graph": cuda_graph_impl(args, cuda), "rounds": args.rounds,
                 "steps_per_round": args.steps_per_round, "warmup_steps": args.warmup_steps,
                 "sequential": args.sequential, "peak_tflops": args.peak_tflops,
                 "depth_read_kernels": depth_read_kernel_names() if cuda else [],

@@ -94,36 +94,54 @@ def use_fused_adamw(optimizer, enabled: bool = True) -> int:
     return switched
 
 
-CUDA_GRAPH_IMPLS = ("none", "full_iteration")
+CUDA_GRAPH_IMPLS = ("auto", "none", "full_iteration")
 
 
 def add_cuda_graph_args(group) -> None:
     """``--cuda-graph-impl`` and ``--cuda-graph-warmup-steps`` (megatron-LM's names)."""
-    group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
+    group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="auto",
                        help="full_iteration: capture the training step's forward and backward "
-                            "in one CUDA graph and replay it (CUDA, one pipeline stage; "
-                            "default: none)")
+                            "in one CUDA graph and replay it (CUDA, one pipeline stage, no "
+                            "dropout, the local spec); auto: full_iteration where it applies, "
+                            "else none (default: auto)")
     group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
                        help="eager training steps before the capture (default: 3)")
 
 
-def check_cuda_graph_args(args: argparse.Namespace, cuda: bool) -> None:
-    """Refuse a CUDA graph where it cannot run (raises ``ArgumentError``)."""
-    if getattr(args, "cuda_graph_impl", "none") == "none":
-        return
+def _cuda_graph_obstacles(args: argparse.Namespace, cuda: bool) -> list:
+    out = []
     if not cuda:
-        raise ArgumentError("--cuda-graph-impl full_iteration needs a CUDA device; "
-                            "use --cuda-graph-impl none on the CPU")
+        out.append("it needs a CUDA device")
     if args.pipeline_model_parallel_size != 1:
-        raise ArgumentError(
-            "--cuda-graph-impl full_iteration captures one pipeline stage: it needs "
-            f"--pipeline-model-parallel-size 1 (got {args.pipeline_model_parallel_size})")
+        out.append("it captures one pipeline stage: it needs --pipeline-model-parallel-size 1 "
+                   f"(got {args.pipeline_model_parallel_size})")
     dropout = [f"--{k.replace('_', '-')} {getattr(args, k)}"
                for k in ("hidden_dropout", "attention_dropout") if getattr(args, k, 0) or 0]
     if dropout:
-        raise ArgumentError(
-            f"--cuda-graph-impl full_iteration runs without dropout (megatron-core's RNG "
-            f"tracker switches generator states on the host): got {', '.join(dropout)}")
+        out.append("it runs without dropout (megatron-core's RNG tracker switches generator "
+                   f"states on the host): got {', '.join(dropout)}")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        out.append("it is not supported with --transformer-impl transformer_engine")
+    return out
+
+
+def cuda_graph_impl(args: argparse.Namespace, cuda: bool) -> str:
+    """The CUDA graph the run uses: ``--cuda-graph-impl``, with ``auto`` resolved to
+    ``full_iteration`` where nothing stands in its way, else ``none``.
+
+    Raises:
+        ArgumentError: ``full_iteration`` asked for where it cannot run, or fewer than one
+            warm-up step.
+    """
+    impl = getattr(args, "cuda_graph_impl", "none")
+    if impl == "none":
+        return impl
+    obstacles = _cuda_graph_obstacles(args, cuda)
+    if impl == "auto":
+        return "none" if obstacles else "full_iteration"
+    if obstacles:
+        raise ArgumentError(f"--cuda-graph-impl full_iteration: {obstacles[0]}")
     if args.cuda_graph_warmup_steps < 1:
         raise ArgumentError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps}: "
                             "at least 1 eager step must run before the capture")
+    return impl

@@ -24,7 +24,7 @@ from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training import faults
 from megatron_lrattn.training.arg_types import ArgumentError
 from megatron_lrattn.training.cuda_graph import StepGraph, use_capture_stream
-from megatron_lrattn.training.fusions import check_cuda_graph_args
+from megatron_lrattn.training.fusions import cuda_graph_impl
 from megatron_lrattn.training.builder import (
     build_config,
     build_model_chunks,
@@ -221,8 +221,8 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         num_micro: micro-batches per step (``num_microbatches``).
         device: where batches go.
     """
-    check_cuda_graph_args(args, device.type == "cuda")
-    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
+    graph = cuda_graph_impl(args, device.type == "cuda") == "full_iteration"
+    if graph:
         use_capture_stream(device)
     # One chunk, or one per virtual stage sharing the rank's depth-source cache.
     chunks = build_model_chunks(config, args, vocab_size)
@@ -239,7 +239,7 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
     step = TrainStep(config, models, optimizer, scheduler, num_params, step_kwargs,
                      partial(forward_step, device), args.on_nonfinite)
-    if getattr(args, "cuda_graph_impl", "none") == "full_iteration":
+    if graph:
         step.graph = StepGraph(step._forward_backward, num_micro, device,
                                args.cuda_graph_warmup_steps)
     return step
