@@ -72,9 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed steps per arm per round (default 3)")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=2,
                    help="untimed steps per arm after its first (build) step (default 2)")
-    g.add_argument("--vocab-size", type=positive_int, default=4096,
-                   help="synthetic vocabulary before padding (default 4096, the embedded "
-                        "corpus tokenizer's)")
     g.add_argument("--sequential", action="store_true",
                    help="build, run and free one arm at a time (models too big for all "
                         "arms at once; no alternation)")
@@ -82,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the torch.profiler step (no depth-read share)")
     g.add_argument("--json", default=None, help="write every number and provenance here")
     g.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    # lrattn-pretrain's --vocab-size (of --mock-data) sizes the synthetic vocabulary here,
+    # before padding; the default is the embedded corpus tokenizer's.
+    p.set_defaults(vocab_size=4096)
+    for action in p._actions:
+        if action.dest == "vocab_size":
+            action.help = ("synthetic vocabulary before padding (default 4096, the embedded "
+                           "corpus tokenizer's)")
     return p
 
 
