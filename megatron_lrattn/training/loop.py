@@ -23,6 +23,7 @@ from megatron_lrattn.data.datasets import parse_blend
 from megatron_lrattn.training.checkpoint import check_save_space, load_checkpoint
 from megatron_lrattn.training.checkpoint_io import (
     architecture,
+    check_compatible,
     data_identity,
     latest_checkpoint,
     read_meta,
@@ -263,6 +264,8 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
         path = latest_checkpoint(start.path)
         meta = read_meta(path)
         refuse_weights_only(meta, path, start.path)
+        # The model and data first (load_checkpoint checks them again), then the schedule.
+        check_compatible(meta, config, path, records["architecture"], records["data"])
         check_resume_schedule(meta.get("scheduler"), scheduler, args, path)
         meta = load_checkpoint(start.path, models, optimizer, scheduler, config, records)
         use_fused_adamw(optimizer, args.fused_adamw)  # not the saved run's setting
