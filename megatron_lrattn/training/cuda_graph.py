@@ -11,7 +11,9 @@ check and the loss reduction stay eager, between replays.
 megatron-core has the same capture (``megatron.core.full_cuda_graph``), but it keeps the
 graph, its inputs and its step counter in class attributes shared by the whole process; here
 each training step owns its graph, so several models (the arms of ``lrattn-profile`` and
-``benchmarks/bench_step.py``) are captured and replayed side by side in one process.
+``benchmarks/bench_step.py``) are captured and replayed side by side in one process; their
+graphs share one memory pool (activations are dead between steps, so the models' steps
+take turns with the same memory, as they do without graphs).
 
 The whole run uses one non-default stream (:func:`use_capture_stream`), the capture and
 the replays included. Validation steps stay eager. The capture needs CUDA, one pipeline
@@ -51,6 +53,17 @@ def _to_static(batch, device) -> Dict[str, torch.Tensor]:
 
 
 _capture_stream: Optional[torch.cuda.Stream] = None
+_graph_pool = None
+
+
+def _shared_pool():
+    # One memory pool for every step graph of the process: each graph is a whole step
+    # whose only outputs are its loss tensors, so a graph's activations may reuse the
+    # memory another graph's freed activations left, while their outputs stay apart.
+    global _graph_pool
+    if _graph_pool is None:
+        _graph_pool = torch.cuda.graph_pool_handle()
+    return _graph_pool
 
 
 def use_capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -137,7 +150,8 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with hold_host_buffers(self.keep), torch.cuda.graph(
-                graph, stream=self.stream, capture_error_mode="thread_local"):
+                graph, pool=_shared_pool(), stream=self.stream,
+                capture_error_mode="thread_local"):
             self.losses = self.forward_backward(iter(batches), False)
         torch.cuda.synchronize()
         self.graph = graph
