@@ -198,3 +198,33 @@ def test_llama_import_refuses_a_vocabulary_other_than_the_tokenizers(tokenizer_d
     assert convert_megatron([str(tmp_path / "llama"), str(tmp_path / "out")]) == 2
     assert "the tokenizer has" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("num_blocks", [8, 3])
+def test_attnres_with_zero_queries_reads_the_mean_so_equals_llama_only_without_norm_eps(
+        num_blocks):
+    """docs/hf.md: with a Llama's weights and zero depth queries, every read is the residual
+    stream divided by its source count; RMSNorm removes that scale except through its
+    epsilon, so the model equals the Llama at eps ~ 0 and differs at eps = 1e-5."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
+    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
+
+    errs = {}
+    for eps in (1e-12, 1e-5):
+        shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        llama = LlamaForCausalLM(LlamaConfig(rms_norm_eps=eps, **shape)).eval()
+        ours = LRAttnForCausalLM(LRAttnConfig(norm_eps=eps, residual="attnres",
+                                              num_blocks=num_blocks, **shape)).eval()
+        missing, unexpected = ours.load_state_dict(llama.state_dict(), strict=False)
+        assert not unexpected and all("depth_queries" in k for k in missing)
+        with torch.no_grad():
+            for q in ours.model.depth_queries.values():
+                q.weight.zero_()
+            x = _tokens(300, s=32)
+            errs[eps] = (ours(x).logits - llama(x).logits).abs().max().item()
+    assert errs[1e-12] <= ATOL, errs
+    assert errs[1e-5] > 1e-3, errs
