@@ -15,7 +15,9 @@ during one arm's step also counts the others. Each arm's ``resident`` bytes are 
 when it is built (memory allocated after the build and one training step, which creates
 the optimizer states, minus before); ``peak_memory_bytes`` is ``resident`` plus the
 largest growth above the allocation at the start of one of its steps, i.e. the peak the arm
-would have alone in a process. ``process_peak_memory_bytes`` is the raw maximum. On a
+would have alone in a process. With a captured step (``--cuda-graph-impl``) a replay
+allocates nothing: the growth while capturing, which the graph's pool holds from then on,
+stands for the step's growth. ``process_peak_memory_bytes`` is the raw maximum. On a
 1B model each arm holds about 16 bytes per parameter (bf16 weights, fp32 gradient buffer,
 fp32 main weights, two fp32 Adam moments), so four arms fit on one H200; for larger
 models ``sequential=True`` builds, runs and frees one arm at a time (no alternation).
@@ -137,8 +139,12 @@ def timed_step(run: ArmRun, batches) -> None:
     run.step_times_s.append(time.perf_counter() - t0)
     if _cuda():
         peak = torch.cuda.max_memory_allocated()
-        run.step_peak_bytes = max(run.step_peak_bytes, peak - base)
-        run.process_peak_bytes = max(run.process_peak_bytes, peak)
+        # A replayed CUDA graph allocates nothing: its activations sit in the graph's
+        # pool since the capture, whose growth stands for the step's.
+        graph = getattr(run.step, "graph", None)
+        in_pool = graph.capture_peak_bytes if graph is not None else 0
+        run.step_peak_bytes = max(run.step_peak_bytes, peak - base, in_pool)
+        run.process_peak_bytes = max(run.process_peak_bytes, peak, base + in_pool)
 
 
 def depth_read_kernel_names() -> List[str]:

@@ -132,6 +132,10 @@ class StepGraph:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.losses = None
         self.keep: List[torch.Tensor] = []
+        # Largest growth of allocated memory while capturing: the step's activations,
+        # which the graph's pool keeps for its replays (the replays themselves allocate
+        # nothing there, so max_memory_allocated around a replay does not show them).
+        self.capture_peak_bytes = 0
         self.stream = torch.cuda.current_stream(device)
         if self.stream == torch.cuda.default_stream(device):
             raise RuntimeError("StepGraph: build the model after use_capture_stream()")
@@ -149,11 +153,14 @@ class StepGraph:
     def _capture(self, batches) -> None:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         with hold_host_buffers(self.keep), torch.cuda.graph(
                 graph, pool=_shared_pool(), stream=self.stream,
                 capture_error_mode="thread_local"):
             self.losses = self.forward_backward(iter(batches), False)
         torch.cuda.synchronize()
+        self.capture_peak_bytes = torch.cuda.max_memory_allocated() - before
         self.graph = graph
         logger.info("captured the training step's forward and backward in a CUDA graph "
                     "after %d eager steps", self.steps)
