@@ -169,6 +169,22 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
 
     add_fusion_args(p)
 
+    g = p.add_argument_group("communication overlap (Megatron-LM's flags)")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="reduce gradient buckets during the backward pass (default: on when "
+                        "the data-parallel size is above 1)")
+    g.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="all-gather updated parameter buckets during the next forward pass; "
+                        "needs --use-distributed-optimizer and --overlap-grad-reduce (default: "
+                        "on when both hold and the data-parallel size is above 1)")
+    g.add_argument("--ddp-bucket-size", type=positive_int, default=None,
+                   help="parameters per gradient bucket with --overlap-grad-reduce (default: "
+                        "megatron's max(40M, 1M x data-parallel size))")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="average gradients inside the collective instead of scaling before "
+                        "it (needs a backend with ReduceOp.AVG: NCCL, not gloo; default: off)")
+
     g = p.add_argument_group("Transformer Engine (experimental)")
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="layer modules: megatron-core's local ones or Transformer Engine's "
@@ -354,6 +370,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.data_path = resolve_data_path(args.data_path)
     validate_args(args)
     _check_data_flags(args)
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather requires --use-distributed-optimizer")
     return args
 
 
