@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel
 
 from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training.fusions import fusion_config, use_fused_adamw
@@ -142,21 +143,81 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return ((vocab_size + m - 1) // m) * m
 
 
-def wrap_model(model, config: LRAttnResConfig, use_distributed_optimizer: bool):
-    """Move to the device, cast for bf16 and wrap in megatron's DDP."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def resolve_overlap(args: argparse.Namespace, dp: int) -> None:
+    """Resolve ``--overlap-grad-reduce`` / ``--overlap-param-gather`` in place: an explicit
+    flag wins; unset (None) means on when the data-parallel size ``dp`` is above 1 (the
+    param gather only with ``--use-distributed-optimizer``), as Megatron-LM's multi-GPU
+    launch scripts and Megatron-Bridge's recipes set them (megatron-core's
+    ``DistributedDataParallelConfig`` itself defaults both to off).
+
+    Raises:
+        ArgumentError: ``--overlap-param-gather`` without the distributed optimizer or
+            without ``--overlap-grad-reduce``.
+    """
+    from megatron_lrattn.training.arg_types import ArgumentError
+
+    dist_opt = bool(getattr(args, "use_distributed_optimizer", False))
+    if getattr(args, "overlap_grad_reduce", None) is None:
+        args.overlap_grad_reduce = dp > 1
+    if getattr(args, "overlap_param_gather", None) is None:
+        args.overlap_param_gather = dp > 1 and dist_opt and args.overlap_grad_reduce
+    if args.overlap_param_gather and not dist_opt:
+        raise ArgumentError("--overlap-param-gather requires --use-distributed-optimizer")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentError("--overlap-param-gather requires --overlap-grad-reduce")
+
+
+def ddp_config(args: argparse.Namespace):
+    """megatron-core's ``DistributedDataParallelConfig`` from the resolved flags
+    (``resolve_overlap`` first): fp32 gradient reduction, Megatron-LM's meanings of
+    ``--overlap-grad-reduce``, ``--overlap-param-gather`` (param all-gathers aligned
+    across pipeline stages only with interleaving, as Megatron-LM does),
+    ``--ddp-bucket-size`` (parameters per bucket; None: megatron's max(4e7, 1e6 x DP)
+    with overlap, one bucket without) and ``--ddp-average-in-collective``."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+        align_param_gather=virtual_stages(args) is not None,
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        bucket_size=getattr(args, "ddp_bucket_size", None),
+        average_in_collective=bool(getattr(args, "ddp_average_in_collective", False)),
+    )
+
+
+class ParamSyncingDDP(DistributedDataParallel):
+    """megatron's DDP whose state dicts first finish a pending overlapped param
+    all-gather (``--overlap-param-gather`` leaves it to the next forward's pre-hooks,
+    so between an optimizer step and that forward the non-local shards are stale;
+    Megatron-LM disables the pre-hooks around checkpoint saves for the same reason)."""
+
+    def sync_params(self) -> None:
+        """All-gather every bucket's updated parameters now (no-op without overlap)."""
+        if self.use_forward_hook:
+            self.disable_forward_pre_hook(param_sync=True)
+            self.enable_forward_pre_hook()
+
+    def state_dict(self, *a, **k):
+        self.sync_params()
+        return super().state_dict(*a, **k)
+
+    def sharded_state_dict(self, *a, **k):
+        self.sync_params()
+        return super().sharded_state_dict(*a, **k)
+
+
+def wrap_model(model, config: LRAttnResConfig, args: argparse.Namespace):
+    """Move to the device, cast for bf16 and wrap in megatron's DDP (``ddp_config(args)``;
+    call ``resolve_overlap`` first)."""
     from megatron.core.transformer.module import Float16Module
 
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     if config.bf16:
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    return DistributedDataParallel(config, ddp_config, model)
+    return ParamSyncingDDP(config, ddp_config(args), model)
 
 
 def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namespace
@@ -177,6 +238,7 @@ def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namesp
         bf16=config.bf16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
     )
     optimizer = get_megatron_optimizer(opt_config, models)
     use_fused_adamw(optimizer, getattr(args, "fused_adamw", True))

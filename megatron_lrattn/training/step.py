@@ -29,6 +29,7 @@ from megatron_lrattn.training.builder import (
     build_config,
     build_model_chunks,
     build_optimizer,
+    resolve_overlap,
     virtual_stages,
     wrap_model,
 )
@@ -210,6 +211,29 @@ class TrainStep:
         return total / iters
 
 
+def _data_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def set_sync_funcs(config: LRAttnResConfig, models: List, args: argparse.Namespace) -> None:
+    """The schedule's hooks into DDP, as Megatron-LM's ``training.py`` sets them:
+    ``no_sync_func`` (gradients reduce only on the last micro-batch), with
+    ``--overlap-grad-reduce`` ``grad_sync_func`` (each chunk's reduce starts as its last
+    backward ends, aligned across pipeline stages), and with ``--overlap-param-gather``
+    under interleaving ``param_sync_func`` (each chunk's all-gather starts before its first
+    forward). ``finalize_model_grads`` (the config's) waits for the reduces."""
+    def per_chunk(name: str):
+        funcs = [getattr(m, name) for m in models]
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    config.no_sync_func = per_chunk("no_sync")
+    config.grad_sync_func = per_chunk("start_grad_sync") if args.overlap_grad_reduce else None
+    aligned = args.overlap_param_gather and virtual_stages(args) is not None
+    config.param_sync_func = per_chunk("start_param_sync") if aligned else None
+
+
 def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_size: int,
                      num_micro: int, device: torch.device) -> TrainStep:
     """Model chunk(s) in DDP, optimizer, LR schedule and step of this rank.
@@ -221,14 +245,15 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         num_micro: micro-batches per step (``num_microbatches``).
         device: where batches go.
     """
+    resolve_overlap(args, _data_parallel_size())
     graph = cuda_graph_impl(args, device.type == "cuda") == "full_iteration"
     if graph:
         use_capture_stream(device)
     # One chunk, or one per virtual stage sharing the rank's depth-source cache.
     chunks = build_model_chunks(config, args, vocab_size)
     num_params = sum(p.numel() for m in chunks for p in m.parameters())
-    models = [wrap_model(m, config, args.use_distributed_optimizer) for m in chunks]
-    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
+    models = [wrap_model(m, config, args) for m in chunks]
+    set_sync_funcs(config, models, args)
     optimizer, scheduler = build_optimizer(models, config, args)
     step_kwargs = dict(num_microbatches=num_micro, seq_length=args.seq_length,
                        micro_batch_size=args.micro_batch_size,
