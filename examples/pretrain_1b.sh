@@ -3,8 +3,9 @@
 # One 8-GPU H100/H200 node; for several nodes use pretrain_multinode.sh or
 # pretrain_slurm.sbatch with the same flags.
 # Usage: examples/pretrain_1b.sh DATA_PREFIX TOKENIZER_DIR SAVE_DIR [more flags...]
-#   DATA_PREFIX: an lrattn-preprocess output prefix (or pass a weighted blend with
-#   --data-path after the positional arguments, which overrides it).
+#   DATA_PREFIX: the dataset lrattn-preprocess wrote, without .bin/.idx (Megatron's naming:
+#   data/corpus_text_document for --output-prefix data/corpus), or pass a weighted blend
+#   with --data-path after the positional arguments, which overrides it.
 set -euo pipefail
 
 if [[ $# -lt 3 ]]; then

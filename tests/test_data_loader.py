@@ -114,3 +114,22 @@ def test_document_mask_reaches_the_local_attention_core():
         assert torch.allclose(masked[:, :cut], plain[:, :cut], atol=1e-6)
         assert not torch.allclose(masked[:, cut:], plain[:, cut:], atol=1e-4)
         assert torch.allclose(masked[:, cut:], second, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl, cuda, core", [("local", True, "SDPA core"),
+                                              ("transformer_engine", False, "TEDotProductAttention")])
+def test_reset_attention_mask_is_refused_where_the_core_is_causal_only(monkeypatch, impl, cuda,
+                                                                       core):
+    from argparse import Namespace
+
+    from megatron_lrattn.training import arguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = Namespace(mock_data=False, data_path=None, reset_attention_mask=True,
+                     transformer_impl=impl, num_workers=None)
+    with pytest.raises(arguments.ArgumentError) as e:
+        arguments._check_data_flags(args)
+    assert "--reset-attention-mask" in str(e.value) and core in str(e.value)
+    args.transformer_impl, args.reset_attention_mask = "local", False
+    arguments._check_data_flags(args)
+    assert args.num_workers == (2 if cuda else 0)
