@@ -83,6 +83,7 @@ def test_llama_import_export_logits(name, tokenizer_dir, tmp_path, monkeypatch):
         with torch.no_grad():
             ours = model(tokens, pos, None)[..., : llama.config.vocab_size]
     assert meta["model_settings"]["residual"] == "standard"
+    assert meta["model_settings"]["num_blocks"] == 6  # lrattn-pretrain's default at L = 3
     assert meta["contents"] == ["model"] and meta["iteration"] == 0
     err = (ours - want).abs().max().item()
     print(f"{name}: Llama -> Megatron max |logit diff| = {err:.3g}")

@@ -142,6 +142,8 @@ def from_llama_config(raw: Dict[str, Any], norm_eps: float) -> LRAttnConfig:
         residual="standard",
         key_type="sliced",
         key_rank=None,
+        # lrattn-pretrain's default N (recorded even for standard models and checked on load)
+        num_blocks=min(8, 2 * raw.get("num_hidden_layers", 32)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=raw.get("eos_token_id"),
