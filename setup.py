@@ -34,6 +34,7 @@ setup(
             "lrattn-pretrain=megatron_lrattn.cli.pretrain:main",
             "lrattn-preprocess=megatron_lrattn.cli.preprocess:main",
             "lrattn-flops=megatron_lrattn.cli.flops:main",
+            "lrattn-plan=megatron_lrattn.cli.plan:main",
             "lrattn-convert-hf=megatron_lrattn.cli.convert_hf:main",
             "lrattn-convert-megatron=megatron_lrattn.cli.convert_megatron:main",
             "lrattn-profile=megatron_lrattn.cli.profile:main",

@@ -125,6 +125,27 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         tensor_model_parallel_size=2,
         pipeline_model_parallel_size=2,
     ),
+    # An 8B-class model (Llama-3-8B's layer shape; lrattn-plan picks its layout).
+    "8b": dict(
+        _COMMON,
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        seq_length=8192,
+        micro_batch_size=1,
+        global_batch_size=256,
+        train_iters=100000,
+        lr=3e-4,
+        min_lr=3e-5,
+        lr_warmup_iters=2000,
+        lr_decay_style="WSD",
+        rotary_base=500000,
+        qk_layernorm=True,
+        tensor_model_parallel_size=4,
+        pipeline_model_parallel_size=2,
+    ),
 }
 
 

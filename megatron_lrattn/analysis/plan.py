@@ -1,0 +1,332 @@
+"""Cluster planner: memory per GPU and step time of TP/PP/VPP/DP layouts (pure Python).
+
+For a model shape (``analysis.flops.ModelShape``), a global batch and a cluster, every
+layout ``TP x PP (x V virtual stages) x DP`` (CP = 1: context parallelism is not
+implemented yet) with a micro-batch size and with or without the distributed optimizer
+gets a predicted peak memory per GPU and step time; ``recommend`` picks the fastest that
+fits. The model and its assumptions (docs/parallelism.md, "Planner"):
+
+Memory per GPU (the busiest stage: the first, which holds the embedding and the most
+micro-batches in flight)
+  * weights bf16 (2 B), gradients fp32 (4 B: megatron's main-grad buffer, reduced in fp32),
+    optimizer fp32 master weights + Adam moments (12 B), divided by DP with the
+    distributed optimizer; parameters of a stage are its L/PP layers / TP plus the
+    embedding / TP (and the head / TP when PP = 1).
+  * activations: per layer and token, ``ACT_ALPHA x (2 (6 d + 2 g k) + 6 h)`` bytes, the
+    tensors a pre-norm SwiGLU layer with SDPA attention saves for the backward in bf16
+    (norm inputs and outputs, Q K V, attention output, both FC1 halves and the SwiGLU
+    output), scaled by a factor fitted to the one-H200 peaks; divided by TP (sequence
+    parallelism on with TP > 1); 1F1B keeps PP micro-batches in flight on the first
+    stage, the interleaved schedule ``PP (1 + (PP - 1) / (PP V))`` chunk-micro-batches.
+  * depth state per micro-batch in flight: the sources ``v_0, B_1..B_N`` and a partial sum
+    (``N + 2`` tensors of [s/TP, b, w] bf16, w = d or d + r), plus the packed input of a
+    pipeline hop (its source count from the depth schedule).
+  * logits: [s, b, V/TP] fp32 and their gradient on the last stage.
+Step time
+  * compute: the model FLOPs of ``lrattn-flops`` (6 M + 12 L s a k, plus 3 x the depth
+    reads' forward FLOPs) / (peak x MFU). MFU(T) = MFU_MAX x T / (T + T_HALF) with T the
+    tokens of one micro-batch per TP rank; MFU_MAX and T_HALF are fitted to the one-H200
+    measurements in ``CALIBRATION`` (standard residuals), and a depth mode multiplies the
+    compute by its measured ratio to standard (``RESIDUAL_FACTOR``).
+  * optimizer: fused AdamW moves ``OPT_BYTES`` bytes per local parameter at
+    ``HBM_EFFICIENCY`` of the HBM bandwidth (divided by DP with the distributed optimizer).
+  * tensor parallelism: per layer and micro-batch 4 all-reduce-equivalents of [s, b, d]
+    bf16 (2 forward, 2 backward; all-gather + reduce-scatter under SP), ring cost
+    2 (t - 1) / t x bytes / bandwidth, not overlapped.
+  * data parallelism: fp32 gradient all-reduce (reduce-scatter with the distributed
+    optimizer, plus the bf16 parameter all-gather), ring cost; with overlap the reduce
+    hides under the last micro-batch's backward (2/3 of its compute) and the gather under
+    the first forward (1/3), one bucket (40M parameters) stays exposed.
+  * pipeline: bubble ``(PP - 1) / (V m)`` of the compute (m micro-batches per DP rank),
+    and per micro-batch and chunk one forward and one backward hop of the packed depth
+    state (the cached payload of ``depth.payload.hop_payloads`` with V > 1).
+  * groups are placed as megatron orders ranks (TP fastest, then DP, then PP): a group
+    whose span exceeds the node uses the inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from megatron_lrattn.analysis.flops import (
+    ModelShape,
+    forward_flops,
+    model_flops_per_token,
+    parameter_counts,
+)
+from megatron_lrattn.depth.schedule import depth_schedule
+
+GIB = 2 ** 30
+
+CALIBRATION = (
+    # (preset, micro-batch, sequence, TP, measured standard step ms, one-H200 note)
+    ("1b", 8, 2048, 1, 199.6, "lrattn-profile, 8 x 2048, 51.0% MFU (docs/performance.md)"),
+    ("4b", 1, 4096, 1, 238.2, "lrattn-profile --sequential, 1 x 4096, 43.1% MFU"),
+)
+"""One-H200 measurements the MFU curve is fitted to (peak 989 TFLOP/s, vocabulary 4096)."""
+
+RESIDUAL_FACTOR = {"standard": 1.0, "attnres": 1.064, "lr_attnres": 1.041}
+"""Step time of a depth mode over standard on one H200 (1b / 4b means: attnres 1.060 and
+1.068, lr_attnres sliced 1.042 and 1.039; docs/performance.md)."""
+
+ACT_ALPHA = 1.65
+"""Saved-activation bytes over the counted bf16 tensors (fp32 norm statistics, masks,
+megatron's extra copies): fitted to the 1b peak of 20.8 GiB at micro-batch 2 x 2048 and
+matching the 4b peak at 1 x 4096 (78.5 GB) within 1%."""
+
+OPT_BYTES = 34
+"""Bytes fused AdamW moves per parameter: reads fp32 master, grad, m, v; writes master,
+m, v; writes the bf16 copy."""
+
+HBM_TBPS = 4.8
+HBM_EFFICIENCY = 0.75
+LINK_EFFICIENCY = 0.8
+"""Achieved over nominal link bandwidth for ring collectives and p2p."""
+BUCKET_PARAMS = 40_000_000
+USABLE_MEMORY = 0.92
+"""Share of GPU memory a layout may plan for (allocator fragmentation, CUDA context)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links. Bandwidths in Gbit/s per GPU and direction.
+
+    Attributes:
+        gpus: total GPUs; gpus_per_node: GPUs sharing the intra-node links.
+        gpu_memory_gib: memory per GPU; peak_tflops: dense bf16 peak per GPU.
+        intra_node_gbps: NVLink per GPU (H200 NVLink 4: 450 GB/s = 3600 Gbit/s).
+        inter_node_gbps: network per GPU (one 400 Gbit/s NIC per GPU).
+    """
+
+    gpus: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 141.0
+    peak_tflops: float = 989.0
+    intra_node_gbps: float = 3600.0
+    inter_node_gbps: float = 400.0
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        for name in ("gpu_memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive number")
+
+    def bandwidth(self, span: int) -> float:
+        """Bytes/s of a group whose ranks lie within ``span`` consecutive ranks."""
+        gbps = self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
+        return gbps * 1e9 / 8 * LINK_EFFICIENCY
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout (CP is always 1)."""
+
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    micro_batch: int
+    distributed_optimizer: bool
+    overlap: bool = True
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted memory (GiB per GPU, busiest stage) and step time (s) of a layout."""
+
+    layout: Layout
+    num_micro: int
+    weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    depth_state_gib: float
+    logits_gib: float
+    memory_gib: float
+    fits: bool
+    compute_s: float
+    optimizer_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+
+    def as_dict(self) -> Dict:
+        out = asdict(self)
+        out.update(out.pop("layout"))
+        return out
+
+
+def _mfu_fit() -> Tuple[float, float]:
+    """(MFU_MAX, T_HALF) through the two ``CALIBRATION`` points (optimizer time removed)."""
+    pts = []
+    for name, mbs, seq, tp, ms, _ in CALIBRATION:
+        shape = preset_shape(name, seq_length=seq, residual="standard")
+        cluster = Cluster()
+        opt = _optimizer_time(parameter_counts(shape).total, cluster)
+        flops = model_flops_per_token(shape) * mbs * seq
+        pts.append((mbs * seq / tp, flops / (ms / 1e3 - opt) / (cluster.peak_tflops * 1e12)))
+    (t1, m1), (t2, m2) = pts
+    # m = M t / (t + T): m1 (t1 + T) / t1 = m2 (t2 + T) / t2
+    t_half = (m2 - m1) / (m1 / t1 - m2 / t2)
+    return m1 * (t1 + t_half) / t1, t_half
+
+
+def preset_shape(name: str, vocab_size: int = 4096, **overrides) -> ModelShape:
+    """The ``ModelShape`` of preset ``name`` (its model flags, ``overrides`` win)."""
+    from types import SimpleNamespace
+
+    from megatron_lrattn.training.presets import PRESETS
+
+    values = dict(num_query_groups=None, rank=None, qk_layernorm=False)
+    values.update(PRESETS[name])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelShape.from_args(SimpleNamespace(**values), vocab_size)
+
+
+def _optimizer_time(params: float, cluster: Cluster) -> float:
+    return params * OPT_BYTES / (HBM_TBPS * 1e12 * HBM_EFFICIENCY)
+
+
+def _ring(bytes_: float, n: int, bandwidth: float, factor: float = 2.0) -> float:
+    return 0.0 if n <= 1 else factor * (n - 1) / n * bytes_ / bandwidth
+
+
+def _hop_sources(shape: ModelShape, pp: int, vpp: int) -> float:
+    """Mean sources per pipeline hop of one micro-batch (cached payload with V > 1)."""
+    if pp == 1 or shape.residual == "standard":
+        return 1.0
+    chunks = pp * vpp
+    ends = [2 * shape.num_layers * (c + 1) // chunks for c in range(chunks)]
+    sched = depth_schedule(shape.num_layers, shape.num_blocks)
+    seen: Dict[int, set] = {r: set() for r in range(pp)}
+    total = 0
+    for c, end in enumerate(ends[:-1]):
+        labels = sched.site(end).labels()
+        dst = (c + 1) % pp
+        src = c % pp
+        seen[src].update(x for x in labels if not x.startswith("P"))
+        new = [x for x in labels if x.startswith("P") or x not in seen[dst]]
+        seen[dst].update(x for x in new if not x.startswith("P"))
+        total += len(new) if vpp > 1 else len(labels)
+    return total / (chunks - 1)
+
+
+def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Cluster
+            ) -> Prediction:
+    """Memory and step time of ``layout`` (module docstring); raises ``ValueError`` when the
+    global batch does not split into its micro-batches."""
+    tp, pp, v, dp, b = layout.tp, layout.pp, layout.vpp, layout.dp, layout.micro_batch
+    if global_batch % (b * dp):
+        raise ValueError(f"global batch {global_batch} is not divisible by micro-batch {b} "
+                         f"x DP {dp}")
+    m = global_batch // (b * dp)
+    s, d, h, L, V = (shape.seq_length, shape.hidden_size, shape.ffn_hidden_size,
+                     shape.num_layers, shape.vocab_size)
+    counts = parameter_counts(shape)
+    layer_params = (counts.total - counts.embedding - d) / L
+    embed = V * d
+    stage = layer_params * L / pp + (embed * (2 if shape.untied else 1) if pp == 1 else embed)
+    local = stage / tp
+    shard = dp if layout.distributed_optimizer else 1
+    weights, grads, opt = 2 * local, 4 * local, 12 * local / shard
+
+    gk = shape.num_query_groups * shape.head_dim
+    per_layer_token = ACT_ALPHA * (2 * (6 * d + 2 * gk) + 6 * h)
+    tokens_mb = s * b
+    inflight = pp * (1 + (pp - 1) / (pp * v)) if pp > 1 else 1
+    act = per_layer_token * tokens_mb * (L / pp) / tp * inflight
+    width = d + (shape.rank if shape.projected else 0)
+    n_src = 0 if shape.residual == "standard" else shape.num_blocks + 2
+    hop = _hop_sources(shape, pp, v)
+    depth = (n_src + (hop if pp > 1 else 0)) * tokens_mb / tp * width * 2 * inflight
+    logits = 2 * 4 * tokens_mb * V / tp if pp == 1 else 0.0
+    memory = (weights + grads + opt + act + depth + logits) / GIB
+    fits = memory <= USABLE_MEMORY * cluster.gpu_memory_gib
+
+    mfu_max, t_half = MFU_FIT
+    tokens_rank = tokens_mb / tp
+    mfu = mfu_max * tokens_rank / (tokens_rank + t_half)
+    flops_token = model_flops_per_token(shape) + 3 * forward_flops(shape).depth_reads
+    step_flops = flops_token * global_batch * s
+    compute = step_flops / (cluster.gpus * cluster.peak_tflops * 1e12 * mfu)
+    compute *= RESIDUAL_FACTOR[shape.residual]
+    per_micro = compute / m
+    optimizer = _optimizer_time(local / shard, cluster)
+    tp_bytes = tokens_mb * d * 2
+    tp_comm = 4 * (L / pp) * m * _ring(tp_bytes, tp, cluster.bandwidth(tp))
+    bw_dp = cluster.bandwidth(tp * dp)
+    if layout.distributed_optimizer:
+        reduce = _ring(4 * local, dp, bw_dp, 1.0)
+        gather = _ring(2 * local, dp, bw_dp, 1.0)
+    else:
+        reduce, gather = _ring(4 * local, dp, bw_dp), 0.0
+    if layout.overlap and dp > 1:
+        tail = min(1.0, BUCKET_PARAMS / local)
+        reduce = max(reduce - 2 / 3 * per_micro, tail * reduce)
+        gather = max(gather - 1 / 3 * per_micro, tail * gather)
+    dp_comm = reduce + gather
+    pp_comm = 0.0
+    if pp > 1:
+        # the slowest hop sets the pace: inter-node unless the whole pipeline is in a node
+        hop_bytes = hop * tokens_mb / tp * width * 2
+        pp_comm = 2 * m * v * hop_bytes / cluster.bandwidth(tp * dp * pp)
+    bubble = compute * (pp - 1) / (v * m)
+    step = compute + optimizer + tp_comm + dp_comm + pp_comm + bubble
+    model_flops = model_flops_per_token(shape) * global_batch * s
+    return Prediction(layout, m, weights / GIB, grads / GIB, opt / GIB, act / GIB, depth / GIB,
+                      logits / GIB, memory, fits, compute, optimizer, tp_comm, dp_comm,
+                      pp_comm, bubble, step, global_batch * s / step,
+                      model_flops / (step * cluster.gpus * cluster.peak_tflops * 1e12))
+
+
+def layouts(shape: ModelShape, global_batch: int, cluster: Cluster,
+            micro_batches: Optional[Sequence[int]] = None) -> Iterable[Layout]:
+    """Every layout of ``cluster.gpus`` GPUs the model and batch admit: TP a power of two
+    within a node dividing the heads and key/value groups, PP dividing L, V in {1, 2, 4}
+    dividing L / PP (with PP > 1 and micro-batches a multiple of PP), micro-batches from
+    ``micro_batches`` (default 1, 2, 4, 8) dividing the batch per DP rank."""
+    n = cluster.gpus
+    tps = [t for t in (1, 2, 4, 8) if t <= min(cluster.gpus_per_node, n)
+           and shape.num_attention_heads % t == 0 and shape.num_query_groups % t == 0]
+    for tp, pp in itertools.product(tps, range(1, shape.num_layers + 1)):
+        if n % (tp * pp) or shape.num_layers % pp:
+            continue
+        dp = n // (tp * pp)
+        for v, b in itertools.product((1, 2, 4), micro_batches or (1, 2, 4, 8)):
+            if v > 1 and (pp == 1 or (shape.num_layers // pp) % v):
+                continue
+            if global_batch % (b * dp):
+                continue
+            m = global_batch // (b * dp)
+            if v > 1 and m % pp:
+                continue
+            for dist_opt in ((False, True) if dp > 1 else (False,)):
+                yield Layout(tp, pp, v, dp, b, dist_opt)
+
+
+def plan(shape: ModelShape, global_batch: int, cluster: Cluster,
+         micro_batches: Optional[Sequence[int]] = None) -> List[Prediction]:
+    """Predictions of every layout, fastest first."""
+    out = [predict(shape, lay, global_batch, cluster)
+           for lay in layouts(shape, global_batch, cluster, micro_batches)]
+    return sorted(out, key=lambda p: (p.step_s, p.memory_gib))
+
+
+def recommend(predictions: Sequence[Prediction]) -> Optional[Prediction]:
+    """The fastest prediction that fits in memory (None when none fits)."""
+    fitting = [p for p in predictions if p.fits]
+    return min(fitting, key=lambda p: (p.step_s, p.memory_gib)) if fitting else None
+
+
+MFU_FIT = _mfu_fit()
+"""(MFU_MAX, T_HALF) fitted to ``CALIBRATION``."""
