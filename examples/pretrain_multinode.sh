@@ -27,13 +27,22 @@ DISTRIBUTED_ARGS=(--nnodes "$NNODES" --node-rank "$NODE_RANK"
                   --nproc-per-node "${NPROC_PER_NODE:-8}"
                   --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
 MODEL_ARGS=(--config "$CONFIG")
-PARALLEL_ARGS=(--use-distributed-optimizer --bf16)
+# Overlap the data-parallel gradient reduce with the backward and the parameter all-gather
+# with the next forward (on by default with DP > 1; explicit here so the log shows them).
+# Pick TP/PP with lrattn-plan --preset NAME --nodes "$NNODES" --gpus-per-node 8 and pass them.
+PARALLEL_ARGS=(--use-distributed-optimizer --bf16 --overlap-grad-reduce --overlap-param-gather)
 DATA_ARGS=(--data-path "$DATA_PREFIX" --tokenizer-model "$TOKENIZER_DIR" --split 989,10,1)
 CHECKPOINT_ARGS=(--save "$SAVE_DIR" --save-interval 1000 --keep-last 3 --async-save)
 if [[ -f "$SAVE_DIR/latest" ]]; then
     CHECKPOINT_ARGS+=(--load "$SAVE_DIR")
 fi
 LOGGING_ARGS=(--log-json "$SAVE_DIR/metrics.jsonl" --log-interval 10 --no-progress)
+
+if [[ "$NODE_RANK" == 0 ]]; then
+    # lrattn-pretrain logs the resolved layout ("run:" tp/pp/dp, "args:" overlap flags).
+    echo "launch: $NNODES node(s) x ${NPROC_PER_NODE:-8} GPUs, config $CONFIG," \
+         "${PARALLEL_ARGS[*]} $*" >&2
+fi
 
 torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_lrattn.cli.pretrain \
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" \
