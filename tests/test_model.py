@@ -300,16 +300,14 @@ def test_sliced_with_full_rank_equals_attnres():
                                    rtol=0, atol=0)
 
 
-def test_layer_refuses_standard_and_full_recompute():
+def test_layer_refuses_standard_and_selective_modules_it_does_not_run():
     from megatron_lrattn.model.layer import LRAttnResLayer
     from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
 
     submodules = get_lr_attnres_layer_spec(tiny_config("attnres", num_blocks=2)).submodules
     with pytest.raises(ValueError, match="residual standard"):
         LRAttnResLayer(tiny_config("standard"), submodules)
-    full = tiny_config("attnres", num_blocks=2, recompute_granularity="full",
-                       recompute_method="uniform", recompute_num_layers=1)
-    with pytest.raises(ValueError, match="recompute_granularity='full'"):
-        LRAttnResLayer(full, submodules)
-    with pytest.raises(ValueError, match="recompute_granularity='full'"):
-        build_gpt(full)
+    mlp = tiny_config("attnres", num_blocks=2, recompute_granularity="selective",
+                      recompute_modules=["core_attn", "mlp"])
+    with pytest.raises(ValueError, match=r"recompute_modules \['mlp'\]"):
+        LRAttnResLayer(mlp, submodules)

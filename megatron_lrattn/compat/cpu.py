@@ -36,6 +36,7 @@ PATCHED_NAMES: List[Tuple[str, str]] = [
     ("torch.cuda", "manual_seed"),
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "CheckpointFunction"),
 ]
 
 _applied = False
@@ -89,6 +90,20 @@ def _replacements() -> Dict[Tuple[str, str], Callable]:
     }
 
 
+def _redirect_in_recompute() -> None:
+    """Run the forward that megatron's activation checkpoint repeats in the backward under
+    the device mode too: a mode is off inside its own handlers, and ``backward`` is one."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    plain = CheckpointFunction.backward
+
+    def backward(ctx, *grads):
+        with _CPUDeviceMode():
+            return plain(ctx, *grads)
+
+    CheckpointFunction.backward = staticmethod(backward)
+
+
 def check_patch_targets() -> None:
     """Raise ``RuntimeError`` naming every patched attribute that no longer exists."""
     missing = [
@@ -120,6 +135,7 @@ def apply_cpu_compat(force: bool = False) -> bool:
     check_patch_targets()
     for (mod, name), fn in _replacements().items():
         setattr(importlib.import_module(mod), name, fn)
+    _redirect_in_recompute()
     _mode = _CPUDeviceMode()
     _mode.__enter__()
     _applied = True

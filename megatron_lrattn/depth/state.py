@@ -99,6 +99,38 @@ class DepthState:
         self._phase1 = {}
         self._phase1_blocks = -1
 
+    def tensors(self) -> Tuple[List[Optional[Tensor]], tuple]:
+        """The state's tensors as one flat list (None where a field is empty), and the
+        layout ``with_tensors`` rebuilds the state from: an activation checkpoint takes and
+        returns flat tensors. Phase-1 results cached for later sites and an output kept
+        aside for a fused merge are part of the state.
+
+        Returns:
+            (flat, layout): flat = [embedding, embedding_key, partial, partial_key,
+            pending, *blocks, *block_keys, (out, lse) per cached phase-1 site].
+        """
+        sites = tuple(sorted(self._phase1))
+        flat = [self.embedding, self.embedding_key, self.partial, self.partial_key,
+                self._pending, *self.blocks, *self.block_keys,
+                *(t for s in sites for t in self._phase1[s])]
+        layout = (len(self.blocks), len(self.block_keys), sites, self.num_sublayers_done,
+                  self._phase1_blocks)
+        return flat, layout
+
+    def with_tensors(self, flat: Sequence[Optional[Tensor]], layout: tuple) -> "DepthState":
+        """A new state with this one's schedule and queries holding ``flat`` (from
+        ``tensors()`` of a state with ``layout``)."""
+        n_blocks, n_keys, sites, done, phase1_blocks = layout
+        rest = list(flat[5:])
+        cached = rest[n_blocks + n_keys:]
+        state = DepthState(embedding=flat[0], embedding_key=flat[1],
+                           blocks=rest[:n_blocks], block_keys=rest[n_blocks:n_blocks + n_keys],
+                           partial=flat[2], partial_key=flat[3], num_sublayers_done=done)
+        state._schedule, state._queries, state._pending = self._schedule, self._queries, flat[4]
+        state._phase1 = {s: (cached[2 * i], cached[2 * i + 1]) for i, s in enumerate(sites)}
+        state._phase1_blocks = phase1_blocks
+        return state
+
     @property
     def projected(self) -> bool:
         """True when the state carries projected keys."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 from torch import Tensor, nn
@@ -25,6 +26,16 @@ class LRAttnResBlock(TransformerBlock):
     keyed by the global site number (``depth_queries.<site>.weight``), so a checkpoint does
     not depend on the pipeline layout.
 
+    Full activation recomputation (``config.recompute_granularity == 'full'``, training
+    only) runs groups of layers inside megatron-core's ``tensor_parallel.checkpoint``: the
+    group's inputs are the tensors of the ``DepthState`` that entered it
+    (``DepthState.tensors``: sources, keys, cached phase-1 reads), saved as they are; the
+    forward keeps nothing inside the group, and the backward reruns the group from those
+    tensors (megatron's checkpoint restores the RNG states, so dropout repeats). ``uniform``
+    checkpoints every ``recompute_num_layers`` consecutive layers of the chunk as one unit;
+    ``block`` checkpoints each of the chunk's first ``recompute_num_layers`` layers alone and
+    runs the rest normally, as megatron-core's ``TransformerBlock`` does.
+
     ``GPTModel`` constructs a plain ``TransformerBlock``; ``adopt`` turns that block (whose
     layers were already built from our spec) into this class and adds the block-level
     depth parameters, so nothing is built twice.
@@ -42,8 +53,6 @@ class LRAttnResBlock(TransformerBlock):
     def _init_depth(self) -> None:
         config = self.config
         self.schedule = schedule_from_config(config)
-        if config.recompute_granularity == "full":
-            raise ValueError("recompute_granularity='full' is not supported with depth attention")
         sp = config.sequence_parallel
         sites = []
         for layer in self.layers:
@@ -109,6 +118,64 @@ class LRAttnResBlock(TransformerBlock):
             return pack_output(self.chunk_plan, state.parts(), self.stage_cache)
         return state.pack()
 
+    def recompute_groups(self) -> List[Tuple[int, int, bool]]:
+        """The chunk's layers as (start, end, recompute) runs of local layer indices, from
+        ``config.recompute_method`` / ``recompute_num_layers`` under full recompute (one
+        run without recompute otherwise)."""
+        n, c = len(self.layers), self.config
+        k = c.recompute_num_layers
+        if c.recompute_granularity != "full" or not n:
+            return [(0, n, False)]
+        if c.recompute_method == "uniform":
+            return [(i, min(i + k, n), True) for i in range(0, n, k)]
+        groups = [(i, i + 1, True) for i in range(min(k, n))]
+        return groups + ([(k, n, False)] if k < n else [])
+
+    def _run_layers(self, state: DepthState, start: int, end: int, tensor_args,
+                    packed_seq_params) -> DepthState:
+        mask, rope, cos, sin, bias = tensor_args
+        for layer in self.layers[start:end]:
+            first_site = 2 * layer.layer_number - 2
+            state = layer(
+                state,
+                self._query(first_site) if first_site else None,
+                self._query(first_site + 1),
+                attention_mask=mask,
+                rotary_pos_emb=rope,
+                rotary_pos_cos=cos,
+                rotary_pos_sin=sin,
+                attention_bias=bias,
+                packed_seq_params=packed_seq_params,
+            )
+        return state
+
+    def _checkpointed_layers(self, state: DepthState, start: int, end: int, tensor_args,
+                             packed_seq_params) -> DepthState:
+        """``_run_layers`` inside megatron's checkpoint, given the state's flat tensors.
+
+        The checkpointed function returns the tensors of the state after the group, with
+        None for those it passes through unchanged (an autograd Function must not return
+        its inputs); they are taken from the incoming state.
+        """
+        flat, layout = state.tensors()
+        n = len(flat)
+        out = {}
+
+        def run(*args):
+            inputs = args[:n]
+            after = self._run_layers(state.with_tensors(inputs, layout), start, end,
+                                     args[n:], packed_seq_params)
+            out_flat, out["layout"] = after.tensors()
+            index = {id(t): i for i, t in enumerate(inputs) if t is not None}
+            out["kept"] = [None if t is None else index.get(id(t)) for t in out_flat]
+            return tuple(None if k is not None else t for t, k in zip(out_flat, out["kept"]))
+
+        made = tensor_parallel.checkpoint(run, False, *flat, *tensor_args)
+        if isinstance(made, Tensor):
+            made = (made,)
+        merged = [flat[k] if k is not None else t for t, k in zip(made, out["kept"])]
+        return state.with_tensors(merged, out["layout"])
+
     def forward(
         self,
         hidden_states,
@@ -151,19 +218,14 @@ class LRAttnResBlock(TransformerBlock):
         if uses_two_phase(self.config, state.embedding.device):
             state.use_two_phase(self.schedule, {int(s): q.weight
                                                 for s, q in self.depth_queries.items()})
-        for layer in self.layers:
-            first_site = 2 * layer.layer_number - 2
-            state = layer(
-                state,
-                self._query(first_site) if first_site else None,
-                self._query(first_site + 1),
-                attention_mask=attention_mask,
-                rotary_pos_emb=rotary_pos_emb,
-                rotary_pos_cos=rotary_pos_cos,
-                rotary_pos_sin=rotary_pos_sin,
-                attention_bias=attention_bias,
-                packed_seq_params=packed_seq_params,
-            )
+        tensor_args = (attention_mask, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                       attention_bias)
+        for start, end, recompute in self.recompute_groups():
+            if recompute and self.training:
+                state = self._checkpointed_layers(state, start, end, tensor_args,
+                                                  packed_seq_params)
+            else:
+                state = self._run_layers(state, start, end, tensor_args, packed_seq_params)
         if not self.post_process:
             return make_viewless_tensor(inp=self._pack(state), requires_grad=True,
                                         keep_graph=True)

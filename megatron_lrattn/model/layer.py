@@ -55,10 +55,11 @@ class LRAttnResLayer(TransformerLayer):
                 "LRAttnResLayer needs an LRAttnResConfig with residual attnres or lr_attnres; "
                 "residual standard uses megatron-core's TransformerLayer"
             )
-        if config.recompute_granularity == "full":
+        extra = set(config.recompute_modules or ()) - {"core_attn"}
+        if config.recompute_granularity == "selective" and extra:
             raise ValueError(
-                "recompute_granularity='full' is not supported with depth attention; "
-                "use 'selective'"
+                f"recompute_modules {sorted(extra)} with depth attention: selective recompute "
+                "covers core_attn only (full recompute is the block's, LRAttnResBlock)"
             )
         super().__init__(config, submodules, *args, **kwargs)
         if self.is_moe_layer:
