@@ -182,8 +182,8 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    help="parameters per gradient bucket with --overlap-grad-reduce (default: "
                         "megatron's max(40M, 1M x data-parallel size))")
     g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="average gradients inside the collective instead of scaling before "
-                        "it (needs a backend with ReduceOp.AVG: NCCL, not gloo; default: off)")
+                   help="average gradients inside the collective (ReduceOp.AVG) instead of "
+                        "scaling them before it (default: off)")
 
     g = p.add_argument_group("Transformer Engine (experimental)")
     g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
