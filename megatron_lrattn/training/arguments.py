@@ -167,6 +167,23 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    help="interleaved pipeline: layers per model chunk (V = L / (P x this); "
                         "default: not interleaved)")
 
+    g = p.add_argument_group("activation recomputation (Megatron-LM's flags)")
+    g.add_argument("--recompute-granularity", choices=["selective", "full"], default=None,
+                   help="full: rerun whole layers in the backward from their inputs (depth "
+                        "attention: the depth state that entered them); selective: rerun the "
+                        "core attention where it stores its probabilities (megatron's "
+                        "DotProductAttention; a no-op with the SDPA core, see "
+                        "docs/performance.md) (default: none)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with full: uniform checkpoints every --recompute-num-layers "
+                        "consecutive layers of a pipeline stage as one unit; block checkpoints "
+                        "each of a stage's first --recompute-num-layers layers (default: none)")
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None,
+                   help="layers per recomputed unit (uniform) or recomputed layers per "
+                        "pipeline stage (block) (default: none)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="shorthand for --recompute-granularity selective (default: off)")
+
     add_fusion_args(p)
 
     g = p.add_argument_group("communication overlap (Megatron-LM's flags)")
