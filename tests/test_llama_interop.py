@@ -229,3 +229,53 @@ def test_attnres_with_zero_queries_reads_the_mean_so_equals_llama_only_without_n
             errs[eps] = (ours(x).logits - llama(x).logits).abs().max().item()
     assert errs[1e-12] <= ATOL, errs
     assert errs[1e-5] > 1e-3, errs
+
+
+MODEL = ["--preset", "tiny", "--residual", "standard", "--seq-length", "64", "--hidden-size",
+         "64", "--num-layers", "2", "--num-blocks", "4", "--ffn-hidden-size", "128",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "2",
+         "--lr-warmup-iters", "1", "--no-progress", "--seed", "5"]
+
+
+def _cli(module, *argv, cache):
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    r = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                       env=cli_env(cache), timeout=900)
+    assert r.returncode == 0, (module, r.stderr[-3000:])
+    return r
+
+
+def _valid(metrics):
+    import json
+
+    rows = [json.loads(line) for line in open(metrics)]
+    return [(r["iteration"], r["loss"]) for r in rows if r.get("type") == "valid"]
+
+
+@pytest.mark.slow
+def test_llama_export_then_import_finetunes_from_the_same_loss(tmp_path):
+    """A trained standard checkpoint, exported as a Llama and imported back, trains 20 steps
+    with --finetune starting from the loss the original had (fp32, CPU)."""
+    import json
+
+    cache = tmp_path / "cache"
+    _cli("megatron_lrattn.cli.pretrain", *MODEL, "--train-iters", "8", "--eval-interval", "4",
+         "--save", str(tmp_path / "a"), "--log-json", str(tmp_path / "a.jsonl"), cache=cache)
+    trained = _valid(tmp_path / "a.jsonl")[-1]
+    assert trained[0] == 8
+    _cli("megatron_lrattn.cli.convert_hf", str(tmp_path / "a"), str(tmp_path / "llama"),
+         cache=cache)
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["model_type"] == "llama"
+    _cli("megatron_lrattn.cli.convert_megatron", str(tmp_path / "llama"), str(tmp_path / "b"),
+         cache=cache)
+    _cli("megatron_lrattn.cli.pretrain", *MODEL, "--train-iters", "20", "--eval-interval", "10",
+         "--load", str(tmp_path / "b"), "--finetune", "--save", str(tmp_path / "c"),
+         "--log-json", str(tmp_path / "c.jsonl"), cache=cache)
+    valid = _valid(tmp_path / "c.jsonl")
+    assert valid[0][0] == 0
+    assert valid[0][1] == pytest.approx(trained[1], rel=1e-5), (trained, valid)
+    assert valid[-1][0] == 20 and valid[-1][1] < valid[0][1], valid
