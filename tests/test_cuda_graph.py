@@ -16,11 +16,13 @@ from megatron_lrattn.training.cuda_graph import StaticBatches
 from megatron_lrattn.training.fusions import add_fusion_args, cuda_graph_impl
 
 
-def _args(*argv, pp=1, hidden_dropout=0.0, attention_dropout=0.0, impl="local"):
+def _args(*argv, pp=1, hidden_dropout=0.0, attention_dropout=0.0, impl="local",
+          recompute=None):
     p = argparse.ArgumentParser()
     add_fusion_args(p)
     a = p.parse_args(list(argv))
     a.pipeline_model_parallel_size = pp
+    a.recompute_granularity = recompute
     a.hidden_dropout, a.attention_dropout = hidden_dropout, attention_dropout
     a.transformer_impl = impl
     return a
@@ -39,6 +41,7 @@ OBSTACLES = [
     ({"hidden_dropout": 0.1}, True, "--hidden-dropout 0.1"),
     ({"attention_dropout": 0.1}, True, "--attention-dropout 0.1"),
     ({"impl": "transformer_engine"}, True, "--transformer-impl transformer_engine"),
+    ({"recompute": "full"}, True, "--recompute-granularity full"),
 ]
 
 

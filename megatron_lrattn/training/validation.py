@@ -119,6 +119,41 @@ def _check_layout(args: argparse.Namespace) -> None:
                                 "for the slow interpreter); use --depth-backend torch or auto")
 
 
+def _check_recompute(args: argparse.Namespace) -> None:
+    """``--recompute-*`` as in Megatron-LM: ``--recompute-activations`` is granularity
+    selective; full needs a method and 1 <= --recompute-num-layers <= the layers of a
+    pipeline stage (virtual stage when interleaved), a divisor of them with uniform."""
+    granularity = getattr(args, "recompute_granularity", None)
+    method = getattr(args, "recompute_method", None)
+    count = getattr(args, "recompute_num_layers", None)
+    if getattr(args, "recompute_activations", False):
+        if granularity == "full":
+            raise ArgumentError("--recompute-activations is --recompute-granularity selective; "
+                                "it contradicts --recompute-granularity full")
+        granularity = args.recompute_granularity = "selective"
+    if granularity != "full":
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", count)):
+            if value is not None:
+                raise ArgumentError(f"{flag} {value} applies to --recompute-granularity full "
+                                    f"(got {granularity or 'no recompute'})")
+        return
+    per_stage = (args.num_layers_per_virtual_pipeline_stage
+                 or args.num_layers // args.pipeline_model_parallel_size)
+    if method is None or count is None:
+        raise ArgumentError("--recompute-granularity full needs --recompute-method "
+                            "{uniform,block} and --recompute-num-layers N (e.g. uniform 1)")
+    if not 1 <= count <= per_stage:
+        raise ArgumentError(f"--recompute-num-layers {count}: must be in [1, {per_stage}], the "
+                            "layers of a pipeline stage")
+    if method == "uniform" and per_stage % count:
+        raise ArgumentError(f"--recompute-num-layers {count} with --recompute-method uniform "
+                            f"must divide the {per_stage} layers of a pipeline stage")
+    if args.fp8_format and args.residual != "standard":
+        raise ArgumentError("--recompute-granularity full with --fp8-format and depth "
+                            "attention is not supported (TE's FP8 checkpoint is not wired into "
+                            "the depth-attention block); use --residual standard or bf16")
+
+
 def held_checkpoints(save_dir: str) -> Optional[str]:
     """What ``save_dir`` holds that a fresh run would overwrite (``latest`` or complete
     checkpoints), described in a few words; None for an empty or new folder."""
@@ -248,6 +283,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_numbers(args)
     _check_split(args.split)
     _check_layout(args)
+    _check_recompute(args)
     _check_transformer_engine(args)
     if args.data_path is not None:
         for prefix in _data_prefixes(args.data_path):
