@@ -157,3 +157,17 @@ def test_full_recompute_saves_only_the_layer_inputs(mp, mode, schedule):
           sum(block.values()), "uniform1", sum(full.values()))
     assert 3 * sum(full.values()) < sum(none.values())
     assert sum(full.values()) < sum(block.values()) < sum(none.values())
+
+
+def test_selective_recomputes_megatrons_core_and_skips_the_sdpa_core(mp):
+    """Selective: megatron's DotProductAttention (stores its [b * heads, s, s]
+    probabilities) is rerun in the backward; the SDPA core (stores none) is not."""
+    from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
+
+    for mode in ("standard", "lr_sliced"):
+        config = _config(mode, "per_site", "selective")
+        local = build_gpt(config)
+        assert all(l.self_attention.checkpoint_core_attention for l in local.decoder.layers)
+        sdpa = build_gpt(config, spec=get_lr_attnres_layer_spec(config, core_attention="sdpa"))
+        assert not any(l.self_attention.checkpoint_core_attention
+                       for l in sdpa.decoder.layers)

@@ -100,7 +100,18 @@ class SDPACoreAttention(MegatronModule):
 class RotarySDPASelfAttention(SelfAttention):
     """``SelfAttention`` whose SDPA core applies the rotary embedding (fused, see the module
     docstring). Any call the core cannot take over (packed sequences, inference, context
-    parallelism, interleaved or partial-recompute settings) runs megatron's own path."""
+    parallelism, interleaved settings) runs megatron's own path.
+
+    Selective recompute (``recompute_granularity='selective'``, core attention) is a no-op
+    here: megatron would rerun the core in the backward to avoid storing its [b * heads, s,
+    s] probabilities, but flash SDPA stores none (only q, k, v, its output, which the output
+    projection saves anyway, and an fp32 log-sum-exp per row), so the rerun would cost a
+    forward and save nothing.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpoint_core_attention = False
 
     def forward(self, *args, rotary_pos_emb=None, **kwargs):
         core = self.core_attention
@@ -110,7 +121,7 @@ class RotarySDPASelfAttention(SelfAttention):
                    and kwargs.get("inference_context") is None
                    and kwargs.get("inference_params") is None
                    and not getattr(c, "rotary_interleaved", False)
-                   and not getattr(c, "recompute_granularity", None)
+                   and not (self.checkpoint_core_attention and self.training)
                    and getattr(c, "context_parallel_size", 1) == 1
                    and getattr(self, "_yarn_concentration_factor", 1.0) in (None, 1.0))
         if not fusable:
