@@ -84,6 +84,7 @@ def test_recompute_gradients_equal_no_recompute(mp, mode, schedule):
     ref = _grads(mode, schedule, "none")
     for recompute in ("uniform1", "uniform2", "block3", "selective"):
         err, name = _max_err(_grads(mode, schedule, recompute), ref)
+        print(mode, schedule, recompute, "max grad rel RMS", f"{err:.2e}", name)
         assert err <= GRAD_RTOL, (recompute, name, err)
 
 
@@ -171,3 +172,122 @@ def test_selective_recomputes_megatrons_core_and_skips_the_sdpa_core(mp):
         sdpa = build_gpt(config, spec=get_lr_attnres_layer_spec(config, core_attention="sdpa"))
         assert not any(l.self_attention.checkpoint_core_attention
                        for l in sdpa.decoder.layers)
+
+
+def _parse(*flags):
+    from megatron_lrattn.training.arguments import parse_args
+
+    return parse_args(["--num-layers", "4", "--pipeline-model-parallel-size", "2", *flags])
+
+
+def test_recompute_flags_follow_megatron_lm():
+    a = _parse("--recompute-activations")
+    assert a.recompute_granularity == "selective" and a.recompute_method is None
+    a = _parse("--recompute-granularity", "full", "--recompute-method", "block",
+               "--recompute-num-layers", "2")
+    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == (
+        "full", "block", 2)
+    from megatron_lrattn.training.builder import build_config
+
+    with model_parallel_1x1():
+        config = build_config(a, bf16=False)
+    assert (config.recompute_granularity, config.recompute_method,
+            config.recompute_num_layers) == ("full", "block", 2)
+    assert _parse().recompute_granularity is None
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--recompute-granularity", "full"], "needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "3"], "must be in [1, 2]"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "3", "--pipeline-model-parallel-size", "1"],
+     "must divide the 4 layers"),
+    (["--recompute-method", "block"], "applies to --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "applies to --recompute-granularity full"),
+    (["--recompute-activations", "--recompute-granularity", "full"], "contradicts"),
+])
+def test_recompute_flag_errors(flags, needle):
+    from megatron_lrattn.training.arg_types import ArgumentError
+
+    with pytest.raises(ArgumentError) as e:
+        _parse(*flags)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# --- TP = 2 and PP = 2 on CPU/gloo ---------------------------------------------------------
+
+LAYOUTS = {  # layout -> recompute flags (the TP1PP1 reference runs without)
+    (2, 1): ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"],
+    (1, 2): ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "2"],
+    (1, 2, "block"): ["--recompute-granularity", "full", "--recompute-method", "block",
+                      "--recompute-num-layers", "1"],
+}
+
+
+def _parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import test_parallel as tp
+
+    import megatron_lrattn.training.builder as builder
+
+    real_config, real_run, base = builder.build_config, tp._run_layout, list(tp.BASE)
+
+    def config_with_schedule(*a, **kw):
+        config = real_config(*a, **kw)
+        config.depth_schedule = os.environ["LRATTN_TEST_SCHEDULE"]
+        return config
+
+    def run(mode, t, p, ref, **kw):
+        layout = os.environ.get("LRATTN_TEST_LAYOUT")
+        tp.BASE = base + (LAYOUTS[tuple(json.loads(layout))] if ref is not None else [])
+        try:
+            return real_run(mode, t, p, ref, **kw)
+        finally:
+            tp.BASE = base
+
+    real_wrap = builder.wrap_model
+
+    def wrap(model, config, args):
+        # test_parallel's layouts may pass the distributed-optimizer switch alone
+        if isinstance(args, bool):
+            import argparse
+
+            args = argparse.Namespace(use_distributed_optimizer=args)
+        return real_wrap(model, config, args)
+
+    builder.build_config, builder.wrap_model = config_with_schedule, wrap
+    tp._run_layout = run
+    runs = [(s, layout) for s in ("per_site", "two_phase") for layout in LAYOUTS]
+    for i, (schedule, layout) in enumerate(runs):
+        os.environ["LRATTN_TEST_SCHEDULE"] = schedule
+        os.environ["LRATTN_TEST_LAYOUT"] = json.dumps(list(layout))
+        sub = os.path.join(out_dir, f"{schedule}-{'-'.join(map(str, layout))}")
+        os.makedirs(sub, exist_ok=True)
+        tp._worker(rank, world, port + i, [layout[:2]], sub)  # a new process group each
+
+
+@pytest.mark.slow
+def test_full_recompute_under_tp2_and_pp2_matches_tp1pp1(tmp_path):
+    """TP=2 (uniform, 1 layer) and PP=2 (uniform 2 = the whole stage, and block 1) with full
+    recompute, both depth schedules, every residual mode and key type, through megatron's
+    schedules (1F1B with the packed depth state under PP) against the TP1PP1 run without
+    recompute: per-micro-batch losses and every gradient within 1e-6 relative."""
+    import torch.multiprocessing as mproc
+
+    import test_parallel as tp
+
+    mproc.spawn(_parallel_worker, args=(2, tp.free_port(), str(tmp_path)), nprocs=2)
+    worst = {}
+    for schedule in ("per_site", "two_phase"):
+        for layout in LAYOUTS:
+            sub = tmp_path / f"{schedule}-{'-'.join(map(str, layout))}"
+            reports = {r: json.loads((sub / f"rank{r}.json").read_text()) for r in range(2)}
+            tp._check(reports, [layout[:2]])
+            worst[sub.name] = max(row["grad_rel_rms_max"] for rep in reports.values()
+                                  for row in rep.values())
+    print(json.dumps(worst, indent=1))
