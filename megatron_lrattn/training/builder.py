@@ -211,10 +211,19 @@ class ParamSyncingDDP(DistributedDataParallel):
         return super().sharded_state_dict(*a, **k)
 
 
-def wrap_model(model, config: LRAttnResConfig, args: argparse.Namespace):
+def wrap_model(model, config: LRAttnResConfig, args):
     """Move to the device, cast for bf16 and wrap in megatron's DDP (``ddp_config(args)``;
-    call ``resolve_overlap`` first)."""
+    call ``resolve_overlap`` first).
+
+    Args:
+        args: the parsed arguments, or a bool ``use_distributed_optimizer`` (no overlap,
+            one bucket: what unit tests build).
+    """
     from megatron.core.transformer.module import Float16Module
+
+    if isinstance(args, bool):
+        args = argparse.Namespace(use_distributed_optimizer=args, overlap_grad_reduce=False,
+                                  overlap_param_gather=False)
 
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
