@@ -279,6 +279,9 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=positive_int,
                    help="iterations between validation runs")
     g.add_argument("--eval-iters", type=positive_int, help="global batches per validation run")
+    from megatron_lrattn.training.downstream import add_downstream_args
+
+    add_downstream_args(g)
     g.add_argument("--log-json", default=None, help="JSON-lines metrics file (default: none)")
     g.add_argument("--save", default=None, help="checkpoint directory (default: none)")
     g.add_argument("--save-interval", type=positive_int, default=None,

@@ -16,6 +16,8 @@ import torch
 from megatron_lrattn.data.datasets import build_gpt_datasets
 from megatron_lrattn.data.loader import rank_batches
 from megatron_lrattn.data.tokenizer import HFTokenizer
+from megatron_lrattn.training.downstream import flatten as flatten_downstream
+from megatron_lrattn.training.downstream import make_downstream
 from megatron_lrattn.depth.state import uses_two_phase
 from megatron_lrattn.depth.payload import log_pipeline_payloads
 from megatron_lrattn.training.builder import padded_vocab_size, virtual_stages
@@ -299,6 +301,9 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
     def evaluate() -> float:
         return step.evaluate(valid_batches, args.eval_iters)
 
+    downstream = make_downstream(args, tokenizer_dir, models[0], tokenizer.vocab_size,
+                                 rt.is_main)
+
     # From here on SIGTERM saves and exits instead of killing the run.
     same_folder = bool(start.path and args.save and resumed is not None) and (
         os.path.realpath(start.path) == os.path.realpath(args.save))
@@ -308,7 +313,7 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
     metrics = with_trackers(writer, args, enabled=rt.is_main)
     try:
         return _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate,
-                      train_ds, dp_rank, vocab, iteration, consumed,
+                      train_ds, dp_rank, vocab, iteration, consumed, downstream,
                       dict(info, **({"resumed_from": iteration, "dropped_records":
                                      writer.dropped} if resumed is not None else {}),
                            **({"started_from": start.path} if start.path else {})))
@@ -319,7 +324,7 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
 
 
 def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, train_ds,
-           dp_rank, vocab, iteration, consumed, info) -> TrainResult:
+           dp_rank, vocab, iteration, consumed, downstream, info) -> TrainResult:
     """The loop from the first evaluation to the final checkpoint."""
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     metrics.write({"type": "run", **info})
@@ -371,6 +376,13 @@ def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, t
             last_valid, last_valid_iteration = evaluate(), iteration
             metrics.write({"type": "valid", "iteration": iteration, "loss": last_valid})
             logger.info("validation loss at iteration %d: %.4f", iteration, last_valid)
+        if downstream is not None and (iteration % args.downstream_eval_interval == 0
+                                       or iteration == args.train_iters):
+            scores = flatten_downstream(downstream())
+            if scores:
+                metrics.write({"type": "downstream", "iteration": iteration, **scores})
+                logger.info("downstream at iteration %d: %s", iteration, ", ".join(
+                    f"{k} {v:.4g}" for k, v in scores.items()))
         checkpointer.after_iteration(iteration, consumed)
         if getattr(args, "exit_interval", None) and iteration % args.exit_interval == 0:
             logger.info("--exit-interval %d: stopping at iteration %d%s", args.exit_interval,

@@ -217,6 +217,9 @@ def validate_args(args: argparse.Namespace) -> None:
     Raises:
         ArgumentError: naming the flag, the value and what is allowed.
     """
+    from megatron_lrattn.training.downstream import check_downstream_args
+
+    check_downstream_args(args)
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.max_position_embeddings is None:
