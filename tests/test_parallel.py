@@ -363,25 +363,30 @@ def data_cache(tmp_path_factory):
 
 @pytest.mark.slow
 def test_pretrain_cli_tp2_and_pp2_match_one_process(tmp_path, data_cache):
-    """``lrattn-pretrain`` under torchrun: TP=2 from scratch follows the 1-process losses
-    (CPU initialisation is layout-independent under TP); PP=2 resumes the 1-process
-    checkpoint of iteration 2 (megatron seeds each pipeline stage differently, so a fresh
-    PP run starts from other weights) and follows its iterations 3 and 4."""
+    """``lrattn-pretrain`` under torchrun: TP=2 and PP=2 from scratch follow the 1-process
+    losses (initial weights depend on the seed and each parameter's global name only), and
+    PP=2 resuming the 1-process checkpoint of iteration 2 follows its iterations 3 and 4."""
+    import shutil
+
     cache = data_cache
     ckpt = tmp_path / "ckpt"
     ref = _pretrain(1, ["--save", str(ckpt), "--save-interval", "2"], tmp_path / "ref.jsonl",
                     cache)
     assert [i for i, _ in ref] == [1, 2, 3, 4]
     tp2 = _pretrain(2, ["--tensor-model-parallel-size", "2"], tmp_path / "tp2.jsonl", cache)
+    pp2_fresh = _pretrain(2, ["--pipeline-model-parallel-size", "2"], tmp_path / "pp2f.jsonl",
+                          cache)
     resume = tmp_path / "resume"
     resume.mkdir()
-    (resume / "iter_0000002").symlink_to(ckpt / "iter_0000002")
+    shutil.copytree(ckpt / "iter_0000002", resume / "iter_0000002")
     (resume / "latest").write_text("iter_0000002\n")
     pp2 = _pretrain(2, ["--pipeline-model-parallel-size", "2", "--load", str(resume)],
                     tmp_path / "pp2.jsonl", cache)
-    assert [i for i, _ in tp2] == [1, 2, 3, 4] and [i for i, _ in pp2] == [3, 4]
-    for (_, a), (_, b) in zip(tp2, ref):
-        assert abs(a - b) <= LOSS_RTOL * abs(b), (tp2, ref)
+    assert [i for i, _ in tp2] == [1, 2, 3, 4] == [i for i, _ in pp2_fresh]
+    assert [i for i, _ in pp2] == [3, 4]
+    for run in (tp2, pp2_fresh):
+        for (_, a), (_, b) in zip(run, ref):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), (run, ref)
     for (_, a), (_, b) in zip(pp2, ref[2:]):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (pp2, ref)
 
