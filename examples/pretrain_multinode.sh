@@ -27,8 +27,9 @@ DISTRIBUTED_ARGS=(--nnodes "$NNODES" --node-rank "$NODE_RANK"
                   --nproc-per-node "${NPROC_PER_NODE:-8}"
                   --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
 MODEL_ARGS=(--config "$CONFIG")
-# Overlap the data-parallel gradient reduce with the backward and the parameter all-gather
-# with the next forward (on by default with DP > 1; explicit here so the log shows them).
+# Overlap the data-parallel gradient reduce with the backward (on by default with DP > 1)
+# and the parameter all-gather with the next forward (opt-in: docs/parallelism.md gives the
+# small loss drift it shows under pipeline parallelism); explicit so the log shows them.
 # Pick TP/PP with lrattn-plan --preset NAME --nodes "$NNODES" --gpus-per-node 8 and pass them.
 PARALLEL_ARGS=(--use-distributed-optimizer --bf16 --overlap-grad-reduce --overlap-param-gather)
 DATA_ARGS=(--data-path "$DATA_PREFIX" --tokenizer-model "$TOKENIZER_DIR" --split 989,10,1)

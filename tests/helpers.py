@@ -116,3 +116,24 @@ def finish(proc, timeout: float = 300):
     stderr)."""
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
+
+
+def pretrain_rows(nproc: int, argv, log, cache_dir, timeout: int = 600) -> list:
+    """Run ``lrattn-pretrain`` (under torchrun for ``nproc`` > 1, one thread per process)
+    with ``--log-json log`` and return the metrics file's records; the run must succeed."""
+    import json
+    import subprocess
+    import sys
+
+    launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                    str(nproc), "--master-port", str(free_port()), "-m",
+                    "megatron_lrattn.cli.pretrain"]
+    proc = subprocess.run(launcher + list(argv) + ["--cache-dir", str(cache_dir),
+                                                   "--log-json", str(log)],
+                          env=cli_env(cache_dir, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(log) as f:
+        return [json.loads(line) for line in f]

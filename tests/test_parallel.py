@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cli_env, free_port, rel_rms
+from helpers import free_port, pretrain_rows, rel_rms
 
 MODES = {
     "standard": ["--residual", "standard"],
@@ -308,17 +306,7 @@ CLI = BASE[:-4] + [
 
 
 def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> list:
-    launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(nproc), "--master-port", str(free_port()), "-m",
-                    "megatron_lrattn.cli.pretrain"]
-    proc = subprocess.run(launcher + CLI + extra + ["--cache-dir", str(cache_dir),
-                                                    "--log-json", str(log)],
-                          env=cli_env(cache_dir, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = pretrain_rows(nproc, CLI + extra, log, cache_dir, timeout=300)
     return [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]
 
 

@@ -10,16 +10,13 @@ within 1e-6 relative over 4 steps.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import build_gpt, cli_env, free_port, model_parallel_1x1, tiny_config
+from helpers import build_gpt, model_parallel_1x1, pretrain_rows, tiny_config
 
 SEED = 7
 LOSS_RTOL = 1e-6
@@ -163,17 +160,7 @@ LAYOUTS = {
 
 
 def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> dict:
-    launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(nproc), "--master-port", str(free_port()), "-m",
-                    "megatron_lrattn.cli.pretrain"]
-    proc = subprocess.run(launcher + CLI + extra + ["--cache-dir", str(cache_dir),
-                                                    "--log-json", str(log)],
-                          env=cli_env(cache_dir, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = pretrain_rows(nproc, CLI + extra, log, cache_dir)
     return {"valid": [r["loss"] for r in rows if r["type"] == "valid"],
             "train": [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]}
 

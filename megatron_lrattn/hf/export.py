@@ -49,15 +49,12 @@ def copy_tokenizer(src: str, dst: str) -> None:
         raise ConversionError(f"{src}: no tokenizer files found")
 
 
-def save_hf(hf_sd: Dict[str, torch.Tensor], config: LRAttnConfig, out_dir: str,
-            tokenizer: str, max_shard_size="5GB") -> str:
-    """Write an HF folder: config.json (with auto_map), safetensors, tokenizer, code."""
-    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
-
-    config.auto_map = dict(AUTO_MAP)
-    config.architectures = ["LRAttnForCausalLM"]
+def _save_model(model_cls, config, hf_sd: Dict[str, torch.Tensor], out_dir: str,
+                max_shard_size) -> None:
+    """Build ``model_cls(config)`` on the meta device, assign ``hf_sd`` (every parameter
+    must get a weight) and ``save_pretrained`` it into ``out_dir``."""
     with torch.device("meta"):
-        model = LRAttnForCausalLM(config)
+        model = model_cls(config)
     model.load_state_dict(hf_sd, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -67,6 +64,16 @@ def save_hf(hf_sd: Dict[str, torch.Tensor], config: LRAttnConfig, out_dir: str,
     model.config.dtype = model.model.embed_tokens.weight.dtype
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+
+
+def save_hf(hf_sd: Dict[str, torch.Tensor], config: LRAttnConfig, out_dir: str,
+            tokenizer: str, max_shard_size="5GB") -> str:
+    """Write an HF folder: config.json (with auto_map), safetensors, tokenizer, code."""
+    from megatron_lrattn.hf.modeling_lrattn import LRAttnForCausalLM
+
+    config.auto_map = dict(AUTO_MAP)
+    config.architectures = ["LRAttnForCausalLM"]
+    _save_model(LRAttnForCausalLM, config, hf_sd, out_dir, max_shard_size)
     for name in CODE_FILES:
         shutil.copy2(os.path.join(HERE, name), os.path.join(out_dir, name))
     copy_tokenizer(tokenizer, out_dir)
@@ -86,17 +93,7 @@ def save_llama(hf_sd: Dict[str, torch.Tensor], config: LRAttnConfig, out_dir: st
         llama_config = to_llama_config(config)
     except ValueError as e:
         raise ConversionError(str(e)) from None
-    with torch.device("meta"):
-        model = LlamaForCausalLM(llama_config)
-    model.load_state_dict(hf_sd, strict=False, assign=True)
-    if llama_config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    left = [n for n, p in model.named_parameters() if p.is_meta]
-    if left:
-        raise ConversionError(f"parameters without weights after conversion: {left[:5]}")
-    model.config.dtype = model.model.embed_tokens.weight.dtype
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    _save_model(LlamaForCausalLM, llama_config, hf_sd, out_dir, max_shard_size)
     copy_tokenizer(tokenizer, out_dir)
     return out_dir
 
