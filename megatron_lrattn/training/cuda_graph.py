@@ -36,19 +36,20 @@ from megatron_lrattn.ops.triton_utils import hold_host_buffers
 
 logger = logging.getLogger(__name__)
 
-def _to_static(batch, device) -> Dict[str, torch.Tensor]:
-    # The dtypes get_batch hands the model, on the device: the forward step's own
-    # conversions are then no-ops and read the static buffers in place. Other tensors of
-    # the batch (a document attention mask) come along as they are.
+
+def _model_inputs(batch) -> Dict[str, torch.Tensor]:
+    # The dtypes get_batch hands the model: the forward step's own conversions are then
+    # no-ops and read the static buffers in place. Other tensors of the batch (a document
+    # attention mask) come along as they are.
     from megatron_lrattn.data.datasets import get_batch
 
-    tokens, labels, loss_mask, position_ids = get_batch(batch, device)
+    tokens, labels, loss_mask, position_ids = get_batch(batch)
     out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
            "position_ids": position_ids}
     if isinstance(batch, dict):
         for k, v in batch.items():
             if k not in out and isinstance(v, torch.Tensor):
-                out[k] = v.to(device, non_blocking=True)
+                out[k] = v
     return out
 
 
@@ -98,9 +99,10 @@ class StaticBatches:
             ValueError: a micro-batch's shape or dtype differs from the captured one.
         """
         for i in range(num_micro):
-            batch = _to_static(next(data_iterator), self.device)
+            batch = _model_inputs(next(data_iterator))
             if i == len(self.buffers):
-                self.buffers.append({k: v.clone() for k, v in batch.items()})
+                self.buffers.append({k: v.to(self.device, copy=True)
+                                     for k, v in batch.items()})
                 continue
             for k, v in batch.items():
                 dst = self.buffers[i][k]
@@ -153,6 +155,7 @@ class StepGraph:
     def _capture(self, batches) -> None:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        # (The process's peak statistics restart here: the capture's growth is measured.)
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         with hold_host_buffers(self.keep), torch.cuda.graph(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from types import SimpleNamespace
 from typing import Callable, Dict, Optional
 
 from megatron_lrattn.training.arg_types import ArgumentError
@@ -81,13 +82,7 @@ class _LogitsModel:
         b, s = tokens.shape
         position_ids = torch.arange(s, device=tokens.device).expand(b, s)
         logits = self.model(tokens, position_ids, None)
-
-        class _Out:
-            pass
-
-        out = _Out()
-        out.logits = logits[..., :self.vocab_size]
-        return out
+        return SimpleNamespace(logits=logits[..., :self.vocab_size])
 
 
 def make_downstream(args: argparse.Namespace, tokenizer_dir: Optional[str], model,
