@@ -7,14 +7,16 @@ import torch
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("normalization,cls", [("RMSNorm", torch.nn.RMSNorm),
+@pytest.mark.parametrize("normalization,cls", [("RMSNorm", "RMSNorm"),
                                                ("LayerNorm", torch.nn.LayerNorm)])
 @pytest.mark.parametrize("sp", [False, True])
 def test_norm_marks_parameters_for_sequence_parallel_reduction(normalization, cls, sp):
     """The module is PyTorch's own norm; every parameter carries ``sequence_parallel`` as
     configured (``finalize_model_grads`` all-reduces those across TP)."""
+    from megatron_lrattn.model import norms
     from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
+    cls = getattr(norms, cls) if isinstance(cls, str) else cls
     config = tiny_config("lr_attnres", num_blocks=2)
     config.normalization = normalization
     config.sequence_parallel = sp

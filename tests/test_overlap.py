@@ -43,11 +43,10 @@ LAYOUTS = {
 }
 DISTOPT_LAYOUTS = {
     "dp2_distopt": (2, ["--use-distributed-optimizer"]),
-    "pp2_vpp2_dp2_distopt": pytest.param(
-        4, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer"],
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "open: step-3 loss differs by 1.9e-6 relative with overlap (steps 1-2 and the "
-            "first validation bit-identical); cause not found yet"))),
+    # the depth queries of later sites are read by the two-phase reads and phase 1 of a
+    # received state before their layers run: they must still wait for the gather
+    "pp2_vpp2_dp2_distopt": (
+        4, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer"]),
 }
 
 

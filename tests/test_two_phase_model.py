@@ -150,25 +150,67 @@ def test_auto_schedule_resolution_and_config_errors(mp):
         tiny_config(num_blocks=2, depth_schedule="blocked")
 
 
-def test_fusable_norms():
-    """Only a weighted torch.nn.RMSNorm is applied inside the merge; the layer's own norm
-    modules (local spec) are such norms."""
+def test_fusable_norms(mp):
+    """Only the local spec's weighted RMSNorm is applied inside the merge; the layer's own
+    norm modules are such norms."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron_lrattn.model.norms import fusable_rmsnorm
+    from megatron_lrattn.model.norms import RMSNorm, fusable_rmsnorm
 
-    norm = torch.nn.RMSNorm(8, eps=1e-5)
+    norm = RMSNorm(8, eps=1e-5)
     weight, eps = fusable_rmsnorm(norm)
     assert weight is norm.weight and eps == 1e-5
-    assert fusable_rmsnorm(torch.nn.RMSNorm(8))[1] is None
-    assert fusable_rmsnorm(torch.nn.RMSNorm(8, elementwise_affine=False)) is None
-    assert fusable_rmsnorm(torch.nn.RMSNorm((2, 4))) is None
+    assert fusable_rmsnorm(RMSNorm(8))[1] is None
+    assert fusable_rmsnorm(RMSNorm(8, elementwise_affine=False)) is None
+    assert fusable_rmsnorm(RMSNorm((2, 4))) is None
+    # a plain torch norm would be read past its hooks
+    assert fusable_rmsnorm(torch.nn.RMSNorm(8)) is None
     assert fusable_rmsnorm(torch.nn.LayerNorm(8)) is None
     assert fusable_rmsnorm(IdentityOp()) is None
     model = build_gpt(tiny_config(num_blocks=2, depth_schedule="two_phase"))
     layer = model.decoder.layers[0]
     assert fusable_rmsnorm(layer.input_layernorm) is not None
     assert fusable_rmsnorm(layer.pre_mlp_layernorm) is not None
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize("schedule", ["per_site", "two_phase"])
+def test_every_parameter_is_read_after_its_modules_pre_hook(schedule, mp):
+    """Each parameter the forward reads is first announced by a forward pre-hook of the
+    module that owns it: megatron's DDP waits there for an overlapped parameter all-gather
+    (``--overlap-param-gather``), so a parameter read past its module (a depth query, a
+    norm gain fused into a merge) could see the previous step's values. The pre-hook here
+    replaces the module's parameters with poisoned copies until it runs."""
+    torch.manual_seed(0)
+    model = build_gpt(tiny_config(num_blocks=2, depth_schedule=schedule))
+    for q in model.decoder.depth_queries.values():
+        with torch.no_grad():
+            q.weight.normal_()
+    tokens, position_ids, _ = tiny_batch()
+    ref = model(tokens, position_ids, None)
+    saved = {}
+    handles = []
+    for module in model.modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        for name, p in own:
+            saved[(id(module), name)] = p.detach().clone()
+            with torch.no_grad():
+                p.fill_(float("nan"))
+
+        def restore(mod, args, *, names=[n for n, _ in own]):
+            with torch.no_grad():
+                for n in names:
+                    getattr(mod, n).copy_(saved[(id(mod), n)])
+
+        handles.append(module.register_forward_pre_hook(restore))
+    out = model(tokens, position_ids, None)
+    for h in handles:
+        h.remove()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_pretrain_flag():

@@ -97,7 +97,8 @@ class LRAttnResBlock(TransformerBlock):
         self.input_tensor = input_tensor[: input_tensor.shape[0] // n_src]
 
     def _query(self, site: int) -> Tensor:
-        return self.depth_queries[str(site)].weight
+        # through the module call, so DDP's pre-hook waits for an overlapped param gather
+        return self.depth_queries[str(site)]()
 
     def _start_state(self, hidden_states: Tensor) -> DepthState:
         if self.pre_process:
@@ -216,8 +217,7 @@ class LRAttnResBlock(TransformerBlock):
             hidden_states = hidden_states.unwrap()
         state = self._start_state(hidden_states)
         if uses_two_phase(self.config, state.embedding.device):
-            state.use_two_phase(self.schedule, {int(s): q.weight
-                                                for s, q in self.depth_queries.items()})
+            state.use_two_phase(self.schedule, {int(s): q() for s, q in self.depth_queries.items()})
         tensor_args = (attention_mask, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
                        attention_bias)
         for start, end, recompute in self.recompute_groups():

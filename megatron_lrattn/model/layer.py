@@ -34,7 +34,10 @@ class DepthQuery(nn.Module):
         # local tokens and Megatron reduces parameters carrying this attribute.
         self.weight.sequence_parallel = sequence_parallel
 
-    def forward(self) -> Tensor:  # pragma: no cover - queries are read as .weight
+    def forward(self) -> Tensor:
+        """Return the query. Read sites call the module rather than reading ``weight``,
+        so module hooks run first: megatron's DDP waits in a forward pre-hook for the
+        overlapped all-gather of the parameter's bucket (``--overlap-param-gather``)."""
         return self.weight
 
 

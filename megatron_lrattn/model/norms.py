@@ -21,6 +21,22 @@ import torch
 from torch import Tensor
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose gain a fused consumer takes through the module call.
+
+    ``norm(None)`` returns the weight itself instead of normalising. A two-phase merge that
+    applies the norm inside its kernel reads the weight this way, so the module's forward
+    pre-hooks run first: megatron's DDP waits there for the overlapped all-gather of the
+    parameter's bucket (``--overlap-param-gather``), and reading ``norm.weight`` directly
+    could see the previous step's values.
+    """
+
+    def forward(self, x: Optional[Tensor]) -> Tensor:
+        """Args: x [..., d], or None for the weight [d]. Returns: the normalised x, or the
+        weight."""
+        return self.weight if x is None else super().forward(x)
+
+
 class SequenceParallelTorchNorm:
     """Build ``torch.nn.RMSNorm`` or ``torch.nn.LayerNorm`` (from ``config.normalization``)
     whose parameters carry ``sequence_parallel = config.sequence_parallel``.
@@ -52,7 +68,7 @@ class SequenceParallelTorchNorm:
                 f"{', '.join(refused)} is not supported by the PyTorch norm of the local spec"
             )
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+            norm = RMSNorm(hidden_size, eps=eps)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:
@@ -75,11 +91,12 @@ def apply_norm(norm, x: Tensor) -> Tensor:
 def fusable_rmsnorm(norm) -> Optional[Tuple[Tensor, Optional[float]]]:
     """(weight, eps) of a PreNorm a two-phase merge can apply itself, else None.
 
-    Only ``torch.nn.RMSNorm`` with a weight (the local spec's norm) qualifies; its ``eps``
-    may be None (then the input dtype's machine epsilon, as the module uses). LayerNorm, TE
-    norms and the ``IdentityOp`` left where TE fuses the norm into the next linear do not.
+    Only this module's ``RMSNorm`` with a weight (the local spec's norm) qualifies; its
+    ``eps`` may be None (then the input dtype's machine epsilon, as the module uses). The
+    weight is taken through the module call (``norm(None)``), so its hooks run. A plain
+    ``torch.nn.RMSNorm``, LayerNorm, TE norms and the ``IdentityOp`` left where TE fuses the
+    norm into the next linear do not qualify.
     """
-    if type(norm) is torch.nn.RMSNorm and norm.weight is not None \
-            and len(norm.normalized_shape) == 1:
-        return norm.weight, norm.eps
+    if type(norm) is RMSNorm and norm.weight is not None and len(norm.normalized_shape) == 1:
+        return norm(None), norm.eps
     return None
