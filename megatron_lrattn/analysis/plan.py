@@ -1,51 +1,69 @@
-"""Cluster planner: memory per GPU and step time of TP/PP/VPP/DP layouts (pure Python).
+"""Cluster planner: memory per GPU and step time of TP/CP/PP/VPP/DP layouts (pure Python).
 
 For a model shape (``analysis.flops.ModelShape``), a global batch and a cluster, every
-layout ``TP x PP (x V virtual stages) x DP`` (CP = 1: context parallelism is not
-implemented yet) with a micro-batch size and with or without the distributed optimizer
-gets a predicted peak memory per GPU and step time; ``recommend`` picks the fastest that
-fits. The model and its assumptions (docs/parallelism.md, "Planner"):
+layout ``TP x CP x PP (x V virtual stages) x DP`` with a micro-batch size and with or
+without the distributed optimizer gets a predicted peak memory per GPU and step time;
+``recommend`` picks the fastest that fits. The model and its assumptions
+(docs/parallelism.md, "Planner"):
+
+Context parallelism (megatron's ``--context-parallel-size``)
+  * each sequence is cut into 2 CP chunks and CP rank i holds chunks i and 2 CP - 1 - i
+    (balanced causal work), so a GPU holds s / CP tokens of each sequence (s / (TP CP)
+    under sequence parallelism); s must be divisible by 2 CP (by 2 TP CP with TP > 1),
+    and layouts that do not divide are not listed. Weights are replicated over CP; the
+    gradient reduction and the distributed optimizer run over the DP x CP ranks.
+  * the depth read is per token (no communication); attention all-gathers K and V over
+    the CP group in the forward and reduce-scatters their gradients in the backward.
 
 Memory per GPU (the busiest stage: the first, which holds the embedding and the most
 micro-batches in flight)
   * weights bf16 (2 B), gradients fp32 (4 B: megatron's main-grad buffer, reduced in fp32),
-    optimizer fp32 master weights + Adam moments (12 B), divided by DP with the
+    optimizer fp32 master weights + Adam moments (12 B), divided by DP x CP with the
     distributed optimizer; parameters of a stage are its L/PP layers / TP plus the
     embedding / TP (and the head / TP when PP = 1).
   * activations: per layer and token, ``ACT_ALPHA x (2 (6 d + 2 g k) + 6 h)`` bytes, the
     tensors a pre-norm SwiGLU layer with SDPA attention saves for the backward in bf16
     (norm inputs and outputs, Q K V, attention output, both FC1 halves and the SwiGLU
     output), scaled by a factor fitted to the one-H200 peaks; divided by TP (sequence
-    parallelism on with TP > 1); 1F1B keeps PP micro-batches in flight on the first
-    stage, the interleaved schedule ``PP (1 + (PP - 1) / (PP V))`` chunk-micro-batches.
+    parallelism on with TP > 1) and by CP; 1F1B keeps PP micro-batches in flight on the
+    first stage, the interleaved schedule ``PP (1 + (PP - 1) / (PP V))``
+    chunk-micro-batches.
   * depth state per micro-batch in flight: the sources ``v_0, B_1..B_N`` and a partial sum
-    (``N + 2`` tensors of [s/TP, b, w] bf16, w = d or d + r), plus the packed input of a
-    pipeline hop (its source count from the depth schedule).
-  * logits: [s, b, V/TP] fp32 and their gradient on the last stage.
+    (``N + 2`` tensors of [s/(TP CP), b, w] bf16, w = d or d + r), plus the packed input
+    of a pipeline hop (its source count from the depth schedule).
+  * logits: [s/CP, b, V/TP] fp32 and their gradient on the last stage.
 Step time
   * compute: the model FLOPs of ``lrattn-flops`` (6 M + 12 L s a k, plus 3 x the depth
-    reads' forward FLOPs) / (peak x MFU). MFU(T) = MFU_MAX x T / (T + T_HALF) with T the
-    tokens of one micro-batch per TP rank; MFU_MAX and T_HALF are fitted to the one-H200
-    measurements in ``CALIBRATION`` (standard residuals), and a depth mode multiplies the
-    compute by its measured ratio to standard (``RESIDUAL_FACTOR``).
+    reads' forward FLOPs) / (peak x MFU), spread evenly over the GPUs (a CP rank does 1/CP
+    of each sequence's attention FLOPs and of its other FLOPs). MFU(T) = MFU_MAX x T /
+    (T + T_HALF) with T the tokens of one micro-batch per TP x CP rank; MFU_MAX and
+    T_HALF are fitted to the one-H200 measurements in ``CALIBRATION`` (standard
+    residuals), and a depth mode multiplies the compute by its measured ratio to
+    standard (``RESIDUAL_FACTOR``).
   * optimizer: fused AdamW moves ``OPT_BYTES`` bytes per local parameter at
-    ``HBM_EFFICIENCY`` of the HBM bandwidth (divided by DP with the distributed optimizer).
-  * tensor parallelism: per layer and micro-batch 4 all-reduce-equivalents of [s, b, d]
-    bf16 (2 forward, 2 backward; all-gather + reduce-scatter under SP), ring cost
-    2 (t - 1) / t x bytes / bandwidth, not overlapped.
-  * data parallelism: fp32 gradient all-reduce (reduce-scatter with the distributed
-    optimizer, plus the bf16 parameter all-gather), ring cost; with overlap the reduce
-    hides under the last micro-batch's backward (2/3 of its compute) and the gather under
-    the first forward (1/3), one bucket (40M parameters) stays exposed.
+    ``HBM_EFFICIENCY`` of the HBM bandwidth (divided by DP x CP with the distributed
+    optimizer).
+  * tensor parallelism: per layer and micro-batch 4 all-reduce-equivalents of
+    [s/CP, b, d] bf16 (2 forward, 2 backward; all-gather + reduce-scatter under SP), ring
+    cost 2 (t - 1) / t x bytes / bandwidth, not overlapped.
+  * context parallelism: per layer and micro-batch an all-gather of K and V (each
+    [s, b, g k / TP] bf16 gathered) in the forward and a reduce-scatter of their gradients
+    in the backward, ring cost (c - 1) / c x bytes / bandwidth, not overlapped.
+  * data parallelism: fp32 gradient all-reduce over the DP x CP ranks (reduce-scatter
+    with the distributed optimizer, plus the bf16 parameter all-gather), ring cost; with
+    overlap the reduce hides under the last micro-batch's backward (2/3 of its compute)
+    and the gather under the first forward (1/3), one bucket (40M parameters) stays
+    exposed.
   * pipeline: bubble ``(PP - 1) / (V m)`` of the compute (m micro-batches per DP rank),
     and per micro-batch and chunk one forward and one backward hop of the packed depth
     state (the cached payload of ``depth.payload.hop_payloads`` with V > 1).
-  * groups are placed as megatron orders ranks (TP fastest, then DP, then PP): a group
-    whose span exceeds the node uses the inter-node bandwidth.
+  * groups are placed as megatron orders ranks (tp-cp-ep-dp-pp: TP fastest, then CP, then
+    DP, then PP): a group whose span exceeds the node uses the inter-node bandwidth.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass
@@ -125,7 +143,15 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel layout (CP is always 1)."""
+    """One parallel layout on ``tp x cp x pp x dp`` GPUs.
+
+    Attributes:
+        tp, pp, vpp, dp: tensor-, pipeline-parallel size, virtual stages per pipeline
+            rank, data-parallel size (DP excludes CP, as in megatron).
+        micro_batch: sequences per micro-batch; distributed_optimizer: optimizer state
+            sharded over DP x CP; overlap: gradient reduce overlapped with the backward.
+        cp: context-parallel size (default 1).
+    """
 
     tp: int
     pp: int
@@ -134,6 +160,7 @@ class Layout:
     micro_batch: int
     distributed_optimizer: bool
     overlap: bool = True
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -153,6 +180,7 @@ class Prediction:
     compute_s: float
     optimizer_s: float
     tp_comm_s: float
+    cp_comm_s: float
     dp_comm_s: float
     pp_comm_s: float
     bubble_s: float
@@ -201,6 +229,14 @@ def _ring(bytes_: float, n: int, bandwidth: float, factor: float = 2.0) -> float
     return 0.0 if n <= 1 else factor * (n - 1) / n * bytes_ / bandwidth
 
 
+def sequence_splits(seq_length: int, tp: int, cp: int) -> bool:
+    """Whether a sequence splits over ``cp`` context-parallel ranks (2 CP chunks) and, under
+    sequence parallelism (TP > 1), over the TP ranks of each CP rank."""
+    chunks = 2 * cp if cp > 1 else 1
+    return seq_length % (chunks * tp) == 0
+
+
+@functools.lru_cache(maxsize=None)
 def _hop_sources(shape: ModelShape, pp: int, vpp: int) -> float:
     """Mean sources per pipeline hop of one micro-batch (cached payload with V > 1)."""
     if pp == 1 or shape.residual == "standard":
@@ -224,11 +260,15 @@ def _hop_sources(shape: ModelShape, pp: int, vpp: int) -> float:
 def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Cluster
             ) -> Prediction:
     """Memory and step time of ``layout`` (module docstring); raises ``ValueError`` when the
-    global batch does not split into its micro-batches."""
-    tp, pp, v, dp, b = layout.tp, layout.pp, layout.vpp, layout.dp, layout.micro_batch
+    global batch does not split into its micro-batches or the sequence not over TP x CP."""
+    tp, cp, pp, v, dp = layout.tp, layout.cp, layout.pp, layout.vpp, layout.dp
+    b = layout.micro_batch
     if global_batch % (b * dp):
         raise ValueError(f"global batch {global_batch} is not divisible by micro-batch {b} "
                          f"x DP {dp}")
+    if not sequence_splits(shape.seq_length, tp, cp):
+        raise ValueError(f"sequence length {shape.seq_length} does not split over TP {tp} x "
+                         f"2 CP {2 * cp if cp > 1 else 1}")
     m = global_batch // (b * dp)
     s, d, h, L, V = (shape.seq_length, shape.hidden_size, shape.ffn_hidden_size,
                      shape.num_layers, shape.vocab_size)
@@ -237,12 +277,13 @@ def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Clust
     embed = V * d
     stage = layer_params * L / pp + (embed * (2 if shape.untied else 1) if pp == 1 else embed)
     local = stage / tp
-    shard = dp if layout.distributed_optimizer else 1
+    grad_ranks = dp * cp
+    shard = grad_ranks if layout.distributed_optimizer else 1
     weights, grads, opt = 2 * local, 4 * local, 12 * local / shard
 
     gk = shape.num_query_groups * shape.head_dim
     per_layer_token = ACT_ALPHA * (2 * (6 * d + 2 * gk) + 6 * h)
-    tokens_mb = s * b
+    tokens_mb = s * b / cp
     inflight = pp * (1 + (pp - 1) / (pp * v)) if pp > 1 else 1
     act = per_layer_token * tokens_mb * (L / pp) / tp * inflight
     width = d + (shape.rank if shape.projected else 0)
@@ -264,13 +305,15 @@ def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Clust
     optimizer = _optimizer_time(local / shard, cluster)
     tp_bytes = tokens_mb * d * 2
     tp_comm = 4 * (L / pp) * m * _ring(tp_bytes, tp, cluster.bandwidth(tp))
-    bw_dp = cluster.bandwidth(tp * dp)
+    kv_bytes = 2 * s * b * gk / tp * 2
+    cp_comm = 2 * (L / pp) * m * _ring(kv_bytes, cp, cluster.bandwidth(tp * cp), 1.0)
+    bw_dp = cluster.bandwidth(tp * cp * dp)
     if layout.distributed_optimizer:
-        reduce = _ring(4 * local, dp, bw_dp, 1.0)
-        gather = _ring(2 * local, dp, bw_dp, 1.0)
+        reduce = _ring(4 * local, grad_ranks, bw_dp, 1.0)
+        gather = _ring(2 * local, grad_ranks, bw_dp, 1.0)
     else:
-        reduce, gather = _ring(4 * local, dp, bw_dp), 0.0
-    if layout.overlap and dp > 1:
+        reduce, gather = _ring(4 * local, grad_ranks, bw_dp), 0.0
+    if layout.overlap and grad_ranks > 1:
         tail = min(1.0, BUCKET_PARAMS / local)
         reduce = max(reduce - 2 / 3 * per_micro, tail * reduce)
         gather = max(gather - 1 / 3 * per_micro, tail * gather)
@@ -279,29 +322,40 @@ def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Clust
     if pp > 1:
         # the slowest hop sets the pace: inter-node unless the whole pipeline is in a node
         hop_bytes = hop * tokens_mb / tp * width * 2
-        pp_comm = 2 * m * v * hop_bytes / cluster.bandwidth(tp * dp * pp)
+        pp_comm = 2 * m * v * hop_bytes / cluster.bandwidth(tp * cp * dp * pp)
     bubble = compute * (pp - 1) / (v * m)
-    step = compute + optimizer + tp_comm + dp_comm + pp_comm + bubble
+    step = compute + optimizer + tp_comm + cp_comm + dp_comm + pp_comm + bubble
     model_flops = model_flops_per_token(shape) * global_batch * s
     return Prediction(layout, m, weights / GIB, grads / GIB, opt / GIB, act / GIB, depth / GIB,
-                      logits / GIB, memory, fits, compute, optimizer, tp_comm, dp_comm,
-                      pp_comm, bubble, step, global_batch * s / step,
+                      logits / GIB, memory, fits, compute, optimizer, tp_comm, cp_comm,
+                      dp_comm, pp_comm, bubble, step, global_batch * s / step,
                       model_flops / (step * cluster.gpus * cluster.peak_tflops * 1e12))
 
 
+def context_parallel_sizes(gpus: int) -> List[int]:
+    """The CP sizes tried by default: the powers of two up to ``gpus``."""
+    return [1 << i for i in range(gpus.bit_length()) if 1 << i <= gpus]
+
+
 def layouts(shape: ModelShape, global_batch: int, cluster: Cluster,
-            micro_batches: Optional[Sequence[int]] = None) -> Iterable[Layout]:
+            micro_batches: Optional[Sequence[int]] = None,
+            context_parallel: Optional[Sequence[int]] = None) -> Iterable[Layout]:
     """Every layout of ``cluster.gpus`` GPUs the model and batch admit: TP a power of two
-    within a node dividing the heads and key/value groups, PP dividing L, V in {1, 2, 4}
-    dividing L / PP (with PP > 1 and micro-batches a multiple of PP), micro-batches from
-    ``micro_batches`` (default 1, 2, 4, 8) dividing the batch per DP rank."""
+    within a node dividing the heads and key/value groups, CP from ``context_parallel``
+    (default ``context_parallel_sizes``) with the sequence split over TP x 2 CP
+    (``sequence_splits``), PP dividing L, V in {1, 2, 4} dividing L / PP (with PP > 1 and
+    micro-batches a multiple of PP), micro-batches from ``micro_batches`` (default 1, 2,
+    4, 8) dividing the batch per DP rank."""
     n = cluster.gpus
     tps = [t for t in (1, 2, 4, 8) if t <= min(cluster.gpus_per_node, n)
            and shape.num_attention_heads % t == 0 and shape.num_query_groups % t == 0]
-    for tp, pp in itertools.product(tps, range(1, shape.num_layers + 1)):
-        if n % (tp * pp) or shape.num_layers % pp:
+    cps = context_parallel or context_parallel_sizes(n)
+    for tp, cp, pp in itertools.product(tps, cps, range(1, shape.num_layers + 1)):
+        if n % (tp * cp * pp) or shape.num_layers % pp:
             continue
-        dp = n // (tp * pp)
+        if not sequence_splits(shape.seq_length, tp, cp):
+            continue
+        dp = n // (tp * cp * pp)
         for v, b in itertools.product((1, 2, 4), micro_batches or (1, 2, 4, 8)):
             if v > 1 and (pp == 1 or (shape.num_layers // pp) % v):
                 continue
@@ -310,15 +364,16 @@ def layouts(shape: ModelShape, global_batch: int, cluster: Cluster,
             m = global_batch // (b * dp)
             if v > 1 and m % pp:
                 continue
-            for dist_opt in ((False, True) if dp > 1 else (False,)):
-                yield Layout(tp, pp, v, dp, b, dist_opt)
+            for dist_opt in ((False, True) if dp * cp > 1 else (False,)):
+                yield Layout(tp, pp, v, dp, b, dist_opt, cp=cp)
 
 
 def plan(shape: ModelShape, global_batch: int, cluster: Cluster,
-         micro_batches: Optional[Sequence[int]] = None) -> List[Prediction]:
-    """Predictions of every layout, fastest first."""
+         micro_batches: Optional[Sequence[int]] = None,
+         context_parallel: Optional[Sequence[int]] = None) -> List[Prediction]:
+    """Predictions of every layout (``layouts``' arguments), fastest first."""
     out = [predict(shape, lay, global_batch, cluster)
-           for lay in layouts(shape, global_batch, cluster, micro_batches)]
+           for lay in layouts(shape, global_batch, cluster, micro_batches, context_parallel)]
     return sorted(out, key=lambda p: (p.step_s, p.memory_gib))
 
 

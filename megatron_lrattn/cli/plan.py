@@ -1,13 +1,16 @@
 """``lrattn-plan``: predicted memory and step time of parallel layouts on a cluster.
 
-For a preset (or model flags), a global batch and a cluster, lists TP/PP/VPP/DP layouts
-(CP = 1: context parallelism is not implemented yet) with the predicted memory per GPU and
-step time of ``megatron_lrattn.analysis.plan`` and recommends the fastest that fits; with
-``--json`` prints one JSON object. Imports neither torch nor megatron-core.
+For a preset (or model flags), a global batch and a cluster, lists TP/CP/PP/VPP/DP layouts
+(CP: context parallelism, every power of two whose chunks split the sequence, or only
+``--context-parallel-size``) with the predicted memory per GPU and step time of
+``megatron_lrattn.analysis.plan``, recommends the fastest that fits and prints its memory
+and time breakdown; with ``--json`` prints one JSON object (``context_parallel_size`` is
+the recommended layout's CP, null when none fits). Imports neither torch nor megatron-core.
 
-Example, the 8b preset on 64 GPUs (8 nodes of 8 H200s)::
+Example, the 8b preset on 64 GPUs (8 nodes of 8 H200s), then at 32k tokens a sequence::
 
     lrattn-plan --preset 8b --gpus 64 --global-batch-size 256
+    lrattn-plan --preset 8b --gpus 64 --global-batch-size 64 --seq-length 32768
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from megatron_lrattn.analysis.flops import KEY_TYPES, RESIDUAL_MODES, FlopsConfigError
-from megatron_lrattn.analysis.plan import Cluster, plan, preset_shape, recommend
+from megatron_lrattn.analysis.plan import (
+    Cluster,
+    context_parallel_sizes,
+    plan,
+    preset_shape,
+    recommend,
+)
 from megatron_lrattn.cli.common import run_cli
 from megatron_lrattn.training.presets import PRESETS
 
@@ -36,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (model defaults come from ``--preset``)."""
-    p = _Parser(prog=PROG, description="Predict memory per GPU and step time of TP/PP/VPP/DP "
+    p = _Parser(prog=PROG, description="Predict memory per GPU and step time of TP/CP/PP/VPP/DP "
                                        "layouts and recommend the fastest that fits.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="1b",
                    help="named model (default: 1b)")
@@ -53,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per step (default: the preset's)")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="only this micro-batch size (default: try 1, 2, 4, 8)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--context-parallel-size", type=int, default=None,
+                   help="only this CP size (default: try the powers of two up to the GPUs "
+                        "whose 2 x CP chunks split the sequence)")
     g = p.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, default=None, help="total GPUs (default: nodes x "
                                                          "GPUs per node)")
@@ -89,13 +102,30 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         raise PlanArgumentError(str(e)) from None
 
 
+_HEADER = ("  TP  CP  PP VPP    DP mbs micro distopt  mem GiB fits   step ms     tokens/s  MFU% "
+           "bubble ms comm ms CP comm ms")
+
+
 def _row(p, mark: str) -> str:
     lay = p.layout
-    return (f"{mark}{lay.tp:>2} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>5} {lay.micro_batch:>3} "
-            f"{p.num_micro:>5} {'yes' if lay.distributed_optimizer else 'no':>7} "
-            f"{p.memory_gib:>8.1f} {'yes' if p.fits else 'NO':>4} {p.step_s * 1e3:>9.1f} "
-            f"{p.tokens_per_s:>12,.0f} {100 * p.mfu:>5.1f} {p.bubble_s * 1e3:>8.1f} "
-            f"{(p.tp_comm_s + p.dp_comm_s + p.pp_comm_s) * 1e3:>8.1f}")
+    comm = p.tp_comm_s + p.cp_comm_s + p.dp_comm_s + p.pp_comm_s
+    return (f"{mark}{lay.tp:>2} {lay.cp:>3} {lay.pp:>3} {lay.vpp:>3} {lay.dp:>5} "
+            f"{lay.micro_batch:>3} {p.num_micro:>5} "
+            f"{'yes' if lay.distributed_optimizer else 'no':>7} {p.memory_gib:>8.1f} "
+            f"{'yes' if p.fits else 'NO':>4} {p.step_s * 1e3:>9.1f} {p.tokens_per_s:>12,.0f} "
+            f"{100 * p.mfu:>5.1f} {p.bubble_s * 1e3:>9.1f} {comm * 1e3:>7.1f} "
+            f"{p.cp_comm_s * 1e3:>10.1f}")
+
+
+def _breakdown(p) -> str:
+    """Two lines: the recommended layout's memory and step-time parts."""
+    return (f"  memory GiB: weights {p.weights_gib:.1f}, grads {p.grads_gib:.1f}, optimizer "
+            f"{p.optimizer_gib:.1f}, activations {p.activations_gib:.1f}, depth state "
+            f"{p.depth_state_gib:.1f}, logits {p.logits_gib:.1f}\n"
+            f"  step ms: compute {p.compute_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f}, "
+            f"TP comm {p.tp_comm_s * 1e3:.1f}, CP comm {p.cp_comm_s * 1e3:.1f}, DP comm "
+            f"{p.dp_comm_s * 1e3:.1f}, PP comm {p.pp_comm_s * 1e3:.1f}, bubble "
+            f"{p.bubble_s * 1e3:.1f}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -103,7 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def _main() -> int:
         args = build_parser().parse_args(argv)
-        for name in ("global_batch_size", "micro_batch_size", "top", "nodes"):
+        for name in ("global_batch_size", "micro_batch_size", "context_parallel_size", "top",
+                     "nodes"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise PlanArgumentError(f"--{name.replace('_', '-')} {value} must be >= 1")
@@ -115,23 +146,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                           "key")})
         gbs = args.global_batch_size or PRESETS[args.preset]["global_batch_size"]
         mbs = [args.micro_batch_size] if args.micro_batch_size else None
-        preds = plan(shape, gbs, cluster, mbs)
+        cp = args.context_parallel_size
+        if cp is not None and cp > cluster.gpus:
+            raise PlanArgumentError(f"--context-parallel-size {cp} exceeds the {cluster.gpus} "
+                                    f"GPU(s)")
+        if cp is not None and cp > 1 and shape.seq_length % (2 * cp):
+            raise PlanArgumentError(f"--context-parallel-size {cp}: sequence length "
+                                    f"{shape.seq_length} is not divisible by 2 x CP = {2 * cp}")
+        cps = [cp] if cp else context_parallel_sizes(cluster.gpus)
+        preds = plan(shape, gbs, cluster, mbs, cps)
         best = recommend(preds)
         if args.json:
             print(json.dumps({"preset": args.preset, "global_batch_size": gbs,
-                              "cluster": vars(cluster), "context_parallel_size": 1,
+                              "cluster": vars(cluster),
+                              "context_parallel_size": best.layout.cp if best else None,
                               "recommended": best.as_dict() if best else None,
                               "layouts": [p.as_dict() for p in preds]}))
             return 0
         print(f"{args.preset}: L={shape.num_layers} d={shape.hidden_size} "
               f"h={shape.ffn_hidden_size} seq={shape.seq_length} {shape.residual}; global "
               f"batch {gbs}; {cluster.gpus} GPU(s), {cluster.gpus_per_node} per node, "
-              f"{cluster.gpu_memory_gib:g} GiB; CP=1 (context parallelism not implemented)")
+              f"{cluster.gpu_memory_gib:g} GiB; CP tried: {', '.join(map(str, cps))}")
         if not preds:
-            print("no layout: the batch does not split over these GPUs")
+            print("no layout: the batch or the sequence does not split over these GPUs")
             return 0
-        print("  TP  PP VPP    DP mbs micro distopt  mem GiB fits   step ms     tokens/s  "
-              "MFU% bubble ms comm ms")
+        print(_HEADER)
         shown = preds[:args.top]
         if best is not None and best not in shown:
             shown.append(best)
@@ -141,11 +180,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("no layout fits in memory")
         else:
             lay = best.layout
-            print(f"recommended (*): TP={lay.tp} PP={lay.pp} VPP={lay.vpp} DP={lay.dp} "
-                  f"micro-batch {lay.micro_batch}"
+            print(f"recommended (*): TP={lay.tp} CP={lay.cp} PP={lay.pp} VPP={lay.vpp} "
+                  f"DP={lay.dp} micro-batch {lay.micro_batch}"
                   f"{', distributed optimizer' if lay.distributed_optimizer else ''}"
-                  f"{', overlapped grad reduce' if lay.dp > 1 else ''}: "
+                  f"{', overlapped grad reduce' if lay.dp * lay.cp > 1 else ''}: "
                   f"{best.step_s * 1e3:.1f} ms, {best.memory_gib:.1f} GiB per GPU")
+            print(_breakdown(best))
         return 0
 
     return run_cli(PROG, _main, (PlanArgumentError, FlopsConfigError))
