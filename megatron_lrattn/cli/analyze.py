@@ -98,6 +98,7 @@ def _training_args(meta: Dict, path: str) -> argparse.Namespace:
     targs.train_tp = targs.tensor_model_parallel_size
     # One process holds the whole model; distributed checkpointing reshards.
     targs.tensor_model_parallel_size = targs.pipeline_model_parallel_size = 1
+    targs.context_parallel_size = 1
     targs.sequence_parallel = False
     # A TE-spec (and FP8) checkpoint has the local spec's distributed-checkpoint keys
     # (megatron_lrattn.compat.te), so the local model reads it on any machine; analysis

@@ -111,11 +111,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.set_defaults(global_batch_size=None)
     args = parser.parse_args(argv)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise ArgumentError(
-            f"world size {world} is not divisible by tensor x pipeline parallel size {tp * pp}")
-    dp = world // (tp * pp)
+            f"world size {world} is not divisible by tensor x pipeline x context parallel size "
+            f"{tp} x {pp} x {cp}")
+    dp = world // (tp * pp * cp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp * (2 if pp == 1 else 4 * pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     if args.deterministic:
         enable_deterministic()
     rt = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                      args.seed, vp=virtual_stages(args))
+                      args.seed, vp=virtual_stages(args), cp=cp)
     try:
         cuda = torch.cuda.is_available()
         vocab = padded_vocab_size(args.vocab_size, rt.tp)

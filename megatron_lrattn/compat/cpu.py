@@ -63,6 +63,10 @@ class _CPUDeviceMode(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            # no pinned-memory allocator without an accelerator (megatron's context-parallel
+            # rotary slicing builds its index this way)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -3,6 +3,14 @@
 Megatron's local ``DotProductAttention`` materialises [b * heads, s, s] scores; on GPU this
 drop-in replacement calls the fused SDPA kernels instead (causal masks only).
 
+Context parallelism (``context_parallel_size`` C > 1): a rank holds two of the sequence's
+2C chunks, i and 2C-1-i (megatron's ``get_batch_on_this_cp_rank``, so every rank does the
+same causal work). The core all-gathers K and V across the context-parallel group
+(gradients reduce-scattered back in the backward), puts the chunks in sequence order and
+attends each local query chunk j to keys [0, (j+1) c) with a lower-right-aligned causal
+mask (c = s / 2C): the approach of Llama 3's context parallelism, one collective per layer
+and direction, no ring. The depth read is per token and needs no communication.
+
 Without Transformer Engine, megatron-core applies rotary embeddings with unfused ops (a
 rotate-half built from two concatenations, then multiplies and an add, each a pass over q
 and k, forward and backward). ``RotarySDPASelfAttention`` hands the rotary embedding to its
@@ -17,10 +25,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 
 def rotary_to_heads(t: Tensor, freqs: Tensor) -> Tensor:
@@ -51,11 +62,58 @@ def _rotary(t: Tensor, freqs: Tensor) -> Tensor:
     return _compiled_rotary(t, freqs)
 
 
+def cp_chunk_order(cp: int) -> Tensor:
+    """Where each sequence chunk lies in the all-gathered K/V of a context-parallel group
+    of ``cp`` ranks: rank i contributes chunks (i, 2cp-1-i), so the gathered chunk order is
+    0, 2cp-1, 1, 2cp-2, ...; entry j of the result is the gathered position of chunk j."""
+    gathered = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+    return torch.tensor([gathered.index(j) for j in range(2 * cp)])
+
+
+def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, dropout_p: float,
+                               scale: Optional[float]) -> Tensor:
+    """Causal attention of this rank's two query chunks against the whole sequence.
+
+    Args:
+        q: [b, np, s_local, hn], the local chunks (i, 2C-1-i) of the sequence.
+        k, v: [s_local, b, ng, hn] local keys (rotary applied) and values.
+        group: the context-parallel process group (C ranks).
+        dropout_p, scale: as for SDPA.
+
+    Returns:
+        [b, np, s_local, hn], the output for the local chunks in their local order.
+    """
+    cp, rank = group.size(), group.rank()
+    c = q.shape[2] // 2
+    order = cp_chunk_order(cp).to(k.device)
+
+    def gather(t: Tensor) -> Tensor:
+        # [C s_local, b, ng, hn] in the gathered order -> sequence order, as [b, ng, s, hn]
+        full = gather_from_sequence_parallel_region(t.contiguous(), True, group)
+        full = full.view(2 * cp, c, *full.shape[1:]).index_select(0, order)
+        full = full.flatten(0, 1).permute(1, 2, 0, 3)
+        if full.shape[1] != q.shape[1]:
+            # grouped-query attention: SDPA's lower-right causal path takes equal head counts
+            full = full.repeat_interleave(q.shape[1] // full.shape[1], dim=1)
+        return full
+
+    k_full, v_full = gather(k), gather(v)
+    outs = []
+    for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (chunk + 1) * c
+        qs = q[:, :, half * c:(half + 1) * c]
+        outs.append(F.scaled_dot_product_attention(
+            qs, k_full[:, :, :end], v_full[:, :, :end], attn_mask=causal_lower_right(c, end),
+            dropout_p=dropout_p, scale=scale))
+    return torch.cat(outs, dim=2)
+
+
 class SDPACoreAttention(MegatronModule):
     """Causal self-attention core with the constructor and call of ``DotProductAttention``.
 
     Inputs query [sq, b, np, hn], key/value [sk, b, ng, hn] (grouped-query attention is
-    handled by SDPA); output [sq, b, np * hn].
+    handled by SDPA); output [sq, b, np * hn]. With context parallelism the inputs are this
+    rank's two sequence chunks and K/V are all-gathered (module docstring).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
@@ -65,8 +123,8 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
-        if config.context_parallel_size > 1:
-            raise ValueError("SDPACoreAttention does not support context parallelism")
+        self.cp_group = (parallel_state.get_context_parallel_group()
+                         if config.context_parallel_size > 1 else None)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
         # (q_freqs, k_freqs) set by RotarySDPASelfAttention for the call it is making
@@ -81,15 +139,20 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
         sq, b, np_, hn = query.shape
-        v = value.permute(1, 2, 0, 3)  # [b, heads, s, hn]
+        dropout = self.dropout if self.training else 0.0
         if self.pending_rotary is not None:
             q_freqs, k_freqs = self.pending_rotary
             q, k = _rotary(query, q_freqs), _rotary(key, k_freqs)
         else:
             q, k = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
+        if self.cp_group is not None:
+            out = context_parallel_attention(q, k.permute(2, 0, 1, 3), value, self.cp_group,
+                                             dropout_p=dropout, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        v = value.permute(1, 2, 0, 3)  # [b, heads, s, hn]
         out = F.scaled_dot_product_attention(
             q, k, v,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=dropout,
             is_causal=True,
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
@@ -99,8 +162,9 @@ class SDPACoreAttention(MegatronModule):
 
 class RotarySDPASelfAttention(SelfAttention):
     """``SelfAttention`` whose SDPA core applies the rotary embedding (fused, see the module
-    docstring). Any call the core cannot take over (packed sequences, inference, context
-    parallelism, interleaved settings) runs megatron's own path.
+    docstring). Any call the core cannot take over (packed sequences, inference, interleaved
+    settings) runs megatron's own path. Under context parallelism megatron's rotary
+    embedding already holds this rank's chunks of positions, so the fused path applies.
 
     Selective recompute (``recompute_granularity='selective'``, core attention) is a no-op
     here: megatron would rerun the core in the backward to avoid storing its [b * heads, s,
@@ -122,7 +186,6 @@ class RotarySDPASelfAttention(SelfAttention):
                    and kwargs.get("inference_params") is None
                    and not getattr(c, "rotary_interleaved", False)
                    and not (self.checkpoint_core_attention and self.training)
-                   and getattr(c, "context_parallel_size", 1) == 1
                    and getattr(self, "_yarn_concentration_factor", 1.0) in (None, 1.0))
         if not fusable:
             return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)

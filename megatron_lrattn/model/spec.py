@@ -56,7 +56,8 @@ class SpecModules:
 
 def _local_modules(config, normalization: str, qk_layernorm: bool,
                    core_attention: str) -> SpecModules:
-    """megatron-core's local modules; SDPA core attention for ``sdpa`` (``auto``: on CUDA)."""
+    """megatron-core's local modules; SDPA core attention for ``sdpa`` (``auto``: on CUDA,
+    or with context parallelism, which only the SDPA core implements)."""
     if getattr(config, "fp8", None):
         raise ValueError(f"fp8={config.fp8!r} needs backend='te' (FP8 GEMMs are Transformer "
                          "Engine modules; the local spec runs bf16)")
@@ -64,8 +65,12 @@ def _local_modules(config, normalization: str, qk_layernorm: bool,
         raise ValueError(f"core_attention={core_attention!r}; allowed: {CORE_ATTENTION}")
     if normalization not in ("RMSNorm", "LayerNorm"):
         raise ValueError(f"normalization={normalization!r}; allowed: RMSNorm, LayerNorm")
+    cp = getattr(config, "context_parallel_size", 1)
     if core_attention == "auto":
-        core_attention = "sdpa" if torch.cuda.is_available() else "local"
+        core_attention = "sdpa" if torch.cuda.is_available() or cp > 1 else "local"
+    if core_attention == "local" and cp > 1:
+        raise ValueError(f"context_parallel_size={cp} needs core_attention='sdpa' or 'auto' "
+                         "(megatron's local DotProductAttention has no context parallelism)")
     return SpecModules(
         base=get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm),
         layer=LRAttnResLayer, key_linear=KeyEmittingRowParallelLinear,
@@ -135,7 +140,7 @@ def get_lr_attnres_layer_spec(
             ``config.normalization``).
         qk_layernorm: normalise queries and keys of self-attention.
         core_attention: ``local`` (megatron's DotProductAttention), ``sdpa`` or ``auto``
-            (``sdpa`` when CUDA is available); the TE spec takes only ``auto`` (it uses
+            (``sdpa`` when CUDA is available or ``context_parallel_size`` > 1); the TE spec takes only ``auto`` (it uses
             ``TEDotProductAttention``).
 
     Returns:

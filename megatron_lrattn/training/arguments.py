@@ -160,6 +160,10 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    help="tensor-parallel size TP")
     g.add_argument("--pipeline-model-parallel-size", type=positive_int,
                    help="pipeline stages PP")
+    g.add_argument("--context-parallel-size", type=positive_int,
+                   help="context-parallel size CP: each sequence is split over CP ranks in "
+                        "2 CP load-balanced chunks; attention all-gathers K/V over them (the "
+                        "SDPA core of the local spec)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split norms and dropout over the TP ranks along the sequence "
                         "(default: off)")
@@ -405,6 +409,9 @@ def _check_data_flags(args: argparse.Namespace) -> None:
     if args.reset_attention_mask:
         if args.transformer_impl == "transformer_engine":
             core = "TE's TEDotProductAttention (--transformer-impl transformer_engine)"
+        elif (args.context_parallel_size or 1) > 1:
+            core = ("the context-parallel SDPA core attention (--context-parallel-size "
+                    f"{args.context_parallel_size})")
         elif torch.cuda.is_available():
             core = "the SDPA core attention (megatron_lrattn.model.attention, used on CUDA)"
         else:

@@ -59,6 +59,8 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         fp8_amax_compute_algo=getattr(args, "fp8_amax_compute_algo", "most_recent"),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        # older checkpoints' recorded arguments have no context-parallel size
+        context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
         virtual_pipeline_model_parallel_size=virtual,
         # The interleaved schedule takes no per-stage shapes: p2p exchanges them (megatron
         # refuses that with its default MoE dispatcher, unused here: no MoE).

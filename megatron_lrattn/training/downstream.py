@@ -57,11 +57,13 @@ def check_downstream_args(args: argparse.Namespace) -> None:
     if not tasks or unknown:
         raise ArgumentError(f"--downstream-eval-tasks {args.downstream_eval_tasks}: use a "
                             f"comma-separated subset of {','.join(TASKS)}")
-    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1 or cp != 1:
         raise ArgumentError(
             "--downstream-eval-interval scores full logits on one rank: it needs "
-            "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 (got "
-            f"{args.tensor_model_parallel_size} and {args.pipeline_model_parallel_size})")
+            "--tensor-model-parallel-size, --pipeline-model-parallel-size and "
+            "--context-parallel-size 1 (got "
+            f"{args.tensor_model_parallel_size}, {args.pipeline_model_parallel_size} and {cp})")
     if getattr(args, "mock_data", False) and not getattr(args, "tokenizer_model", None):
         raise ArgumentError("--downstream-eval-interval scores text: --mock-data needs "
                             "--tokenizer-model for it")

@@ -124,6 +124,9 @@ def _cuda_graph_obstacles(args: argparse.Namespace, cuda: bool) -> list:
         out.append("it is not supported with --transformer-impl transformer_engine")
     if getattr(args, "overlap_grad_reduce", None):
         out.append("overlap_grad_reduce: its bucket hooks skip while capturing (untested)")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        out.append("it is not run with context parallelism (its K/V all-gathers are not "
+                   "captured or tested): it needs --context-parallel-size 1")
     if getattr(args, "recompute_granularity", None) == "full":
         out.append("it runs without --recompute-granularity full (megatron's checkpoint saves "
                    "and restores the RNG states on the host around each recomputed layer)")

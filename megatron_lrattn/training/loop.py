@@ -200,7 +200,7 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
         enable_deterministic()
     rt = runtime or init_runtime(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.seed,
-                                 vp=virtual_stages(args))
+                                 vp=virtual_stages(args), cp=args.context_parallel_size)
     config = step_config(args)
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     num_micro = num_microbatches(args, rt.dp)
@@ -276,7 +276,7 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
     logger.info(describe_start(start, args))
     logger.info("schedule: %s", describe_schedule(args))
     info = dict(provenance(), params=step.num_params, world_size=rt.world_size, tp=rt.tp,
-                pp=rt.pp, dp=rt.dp, residual=config.residual, key=config.key_type,
+                pp=rt.pp, cp=rt.cp, dp=rt.dp, residual=config.residual, key=config.key_type,
                 rank=config.key_rank, num_blocks=config.num_blocks, bf16=config.bf16)
     logger.info("run: %s", json.dumps(info))
     if config.uses_depth_attention:

@@ -21,6 +21,7 @@ _COMMON: Dict[str, Any] = dict(
     adam_beta2=0.95,
     clip_grad=1.0,
     tensor_model_parallel_size=1,
+    context_parallel_size=1,
     log_interval=10,
     eval_interval=1000,
     eval_iters=10,

@@ -36,6 +36,7 @@ class Runtime:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -43,13 +44,14 @@ class Runtime:
         return self.rank == 0
 
 
-def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None) -> Runtime:
+def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None,
+                 cp: int = 1) -> Runtime:
     """Initialise torch.distributed (env:// under torchrun, else a single process) and
-    megatron's model-parallel groups (with ``vp`` virtual pipeline stages per rank), then
-    seed every generator.
+    megatron's model-parallel groups (with ``vp`` virtual pipeline stages per rank and
+    ``cp`` context-parallel ranks), then seed every generator.
 
     Raises:
-        ArgumentError: when the world size is not divisible by tp * pp.
+        ArgumentError: when the world size is not divisible by tp * pp * cp.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -66,16 +68,17 @@ def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None) -> Runti
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         from megatron_lrattn.training.arguments import ArgumentError
 
         raise ArgumentError(
-            f"world size {world} is not divisible by tensor x pipeline parallel size {tp * pp}"
+            f"world size {world} is not divisible by tensor x pipeline x context parallel size "
+            f"{tp} x {pp} x {cp}"
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vp,
+            virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
         )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed + 100 * pp_rank)
@@ -84,7 +87,7 @@ def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None) -> Runti
     model_parallel_cuda_manual_seed(seed + 100 * pp_rank)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return Runtime(device=device, rank=dist.get_rank(), world_size=world, tp=tp, pp=pp,
-                   dp=world // (tp * pp))
+                   dp=world // (tp * pp * cp), cp=cp)
 
 
 @contextlib.contextmanager

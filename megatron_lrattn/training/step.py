@@ -50,13 +50,14 @@ def step_config(args: argparse.Namespace) -> LRAttnResConfig:
 
 
 def check_sequence_parallel(args: argparse.Namespace) -> None:
-    """Refuse ``--sequence-parallel`` when the sequence does not split over the
-    tensor-parallel ranks (raises ``ArgumentError``)."""
-    tp = args.tensor_model_parallel_size
-    if args.sequence_parallel and args.seq_length % tp:
+    """Refuse ``--sequence-parallel`` when a rank's part of the sequence (s / CP) does not
+    split over the tensor-parallel ranks (raises ``ArgumentError``)."""
+    tp, cp = args.tensor_model_parallel_size, getattr(args, "context_parallel_size", 1) or 1
+    if args.sequence_parallel and (args.seq_length // cp) % tp:
         raise ArgumentError(
             f"--sequence-parallel splits the sequence over tensor-parallel ranks: --seq-length "
-            f"{args.seq_length} is not divisible by --tensor-model-parallel-size {tp}")
+            f"{args.seq_length} / --context-parallel-size {cp} is not divisible by "
+            f"--tensor-model-parallel-size {tp}")
 
 
 def num_microbatches(args: argparse.Namespace, dp: int) -> int:
@@ -82,26 +83,59 @@ def num_microbatches(args: argparse.Namespace, dp: int) -> int:
     return num_micro
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens, and ``lm loss`` for the report."""
+def _context_parallel_group():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return None
+    return ps.get_context_parallel_group()
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, cp_group=None):
+    """Mean per-token loss over the unmasked tokens, and ``lm loss`` for the report.
+
+    With context parallelism (``cp_group``) each rank holds part of every sequence: the
+    token sum and count are all-reduced over the group for the reported mean, and the
+    returned loss is this rank's sum over the group's count, times the group size (megatron's
+    DDP divides the gradients by the data x context-parallel size), so the reduced gradient
+    is the one of the whole sequence's mean.
+    """
     mask = loss_mask.view(-1).float()
-    loss = (output_tensor.float().view(-1) * mask).sum() / mask.sum().clamp(min=1)
-    loss = faults.poison_loss(loss)
-    # The schedule divides the returned loss in place: report a copy.
-    return loss, {"lm loss": loss.detach().clone()}
+    total = (output_tensor.float().view(-1) * mask).sum()
+    if cp_group is None:
+        loss = total / mask.sum().clamp(min=1)
+        loss = faults.poison_loss(loss)
+        # The schedule divides the returned loss in place: report a copy.
+        return loss, {"lm loss": loss.detach().clone()}
+    stats = torch.stack([total.detach(), mask.sum()])
+    dist.all_reduce(stats, group=cp_group)
+    count = stats[1].clamp(min=1)
+    loss = faults.poison_loss(total / count * cp_group.size())
+    report = faults.poison_loss(stats[0] / count)
+    return loss, {"lm loss": report}
 
 
 def forward_step(device, data_iterator, model):
     """megatron's forward-step function: the next micro-batch through ``model`` (with its
     document attention mask, [b, 1, s, s] True = masked, when the batch has one:
-    ``--reset-attention-mask``)."""
+    ``--reset-attention-mask``). With context parallelism the rank keeps its two chunks of
+    every sequence (megatron's ``get_batch_on_this_cp_rank``)."""
     batch = next(data_iterator)
     tokens, labels, loss_mask, position_ids = get_batch(batch, device)
     mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     if mask is not None:
         mask = mask.to(device, non_blocking=True)
+    cp_group = _context_parallel_group()
+    if cp_group is not None:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        parts = get_batch_on_this_cp_rank(dict(tokens=tokens, labels=labels,
+                                               loss_mask=loss_mask, position_ids=position_ids),
+                                          cp_group)
+        tokens, labels, loss_mask, position_ids = (parts[k] for k in (
+            "tokens", "labels", "loss_mask", "position_ids"))
     output = model(tokens, position_ids, mask, labels=labels)
-    return output, partial(loss_func, loss_mask)
+    return output, partial(loss_func, loss_mask, cp_group=cp_group)
 
 
 def reduce_loss(losses: List[Dict]) -> float:

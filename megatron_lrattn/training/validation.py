@@ -105,6 +105,17 @@ def _check_layout(args: argparse.Namespace) -> None:
     if args.sequence_parallel and tp == 1:
         raise ArgumentError("--sequence-parallel splits activations over tensor-parallel ranks: "
                             "it needs --tensor-model-parallel-size > 1")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        if args.seq_length % (2 * cp):
+            raise ArgumentError(
+                f"--context-parallel-size {cp} splits each sequence into 2 x {cp} chunks: "
+                f"--seq-length {args.seq_length} is not divisible by {2 * cp}")
+        if args.transformer_impl == "transformer_engine":
+            raise ArgumentError(
+                f"--context-parallel-size {cp} runs on the local spec's SDPA core; with "
+                "--transformer-impl transformer_engine it is not supported yet (use "
+                "--transformer-impl local)")
     if (args.position_embedding_type == "learned_absolute"
             and args.seq_length > args.max_position_embeddings):
         raise ArgumentError(f"--seq-length {args.seq_length} > --max-position-embeddings "
