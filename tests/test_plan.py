@@ -1,9 +1,15 @@
-"""The cluster planner (``lrattn-plan``): memory and time model sanity, the recommendation,
-and fuzzed command lines (a traceback is a failure)."""
+"""The cluster planner (``lrattn-plan``): memory and time model sanity, activation
+recomputation, the recommendation, its ``lrattn-pretrain`` flags (parsed by the real
+parser), ``--config`` files, and fuzzed command lines (a traceback is a failure)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +17,10 @@ from hypothesis import strategies as st
 
 from megatron_lrattn.analysis import plan as P
 from megatron_lrattn.cli.plan import main
+from megatron_lrattn.training.arg_types import ArgumentError
+from megatron_lrattn.training.arguments import parse_args
+
+PRESET_FILES = Path(__file__).resolve().parents[1] / "examples" / "presets"
 
 
 def _pred(name="1b", gbs=8, gpus=1, **layout):
@@ -103,6 +113,10 @@ def test_recommendation_is_the_fastest_that_fits(name, gpus, gbs):
     assert best is not None and best.fits
     assert best.memory_gib <= P.USABLE_MEMORY * 141.0
     assert all(p.step_s >= best.step_s for p in preds if p.fits)
+    # recomputation changes nothing where a layout fits without it
+    assert best.recompute == "none"
+    assert P.recommend(P.plan(P.preset_shape(name), gbs, P.Cluster(gpus=gpus),
+                              recompute=False)) == best
 
 
 def test_context_parallel_divides_the_per_token_memory():
@@ -161,13 +175,18 @@ def test_layouts_whose_sequence_does_not_split_are_absent(capsys):
 
 
 def test_long_sequence_needs_context_parallelism(capsys):
-    """8b at 32k tokens on 64 GPUs of 32 GiB: no CP = 1 layout fits; a CP layout does."""
+    """8b at 32k tokens on 64 GPUs of 32 GiB: without recomputation no CP = 1 layout fits; a
+    CP layout does (and stays the recommendation with recomputation allowed); at CP = 1
+    only recomputation makes a layout fit."""
     shape = P.preset_shape("8b", seq_length=32768)
     cluster = P.Cluster(gpus=64, gpu_memory_gib=32)
-    preds = P.plan(shape, 64, cluster)
+    preds = P.plan(shape, 64, cluster, recompute=False)
     assert not [p for p in preds if p.layout.cp == 1 and p.fits]
     best = P.recommend(preds)
     assert best is not None and best.layout.cp > 1 and best.cp_comm_s > 0
+    assert P.recommend(P.plan(shape, 64, cluster)) == best
+    only_cp1 = P.recommend(P.plan(shape, 64, cluster, context_parallel=[1]))
+    assert only_cp1.layout.cp == 1 and only_cp1.recompute != "none"
     argv = ["--preset", "8b", "--seq-length", "32768", "--gpus", "64", "--global-batch-size",
             "64", "--gpu-memory-gib", "32"]
     assert main(argv + ["--json"]) == 0
@@ -177,13 +196,111 @@ def test_long_sequence_needs_context_parallelism(capsys):
     out = capsys.readouterr().out
     assert f"recommended (*): TP={best.layout.tp} CP={best.layout.cp} " in out
     assert "CP comm" in out
+    assert main(argv + ["--context-parallel-size", "1", "--no-recompute"]) == 0
+    assert "no layout fits in memory: the smallest needs" in capsys.readouterr().out
     assert main(argv + ["--context-parallel-size", "1"]) == 0
-    assert "no layout fits in memory" in capsys.readouterr().out
+    assert "recommended (*): TP=" in capsys.readouterr().out
 
 
-def test_nothing_fits_on_a_small_gpu():
+def test_nothing_fits_on_a_small_gpu(capsys):
     preds = P.plan(P.preset_shape("8b"), 8, P.Cluster(gpus=1, gpu_memory_gib=16))
     assert preds and P.recommend(preds) is None
+    # the JSON says why in one line, from the layout of least memory (with recomputation)
+    assert main(["--preset", "8b", "--gpus", "1", "--gpu-memory-gib", "16",
+                 "--global-batch-size", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    low = min(preds, key=lambda p: p.memory_gib)
+    assert data["recommended"] is None and low.recompute != "none"
+    assert data["reason"].startswith(f"no layout fits in memory: the smallest needs "
+                                     f"{low.memory_gib:.1f} GiB per GPU (TP=1 ")
+    assert "\n" not in data["reason"] and "14.7 of 16 GiB are usable" in data["reason"]
+    assert main(["--preset", "8b", "--gpus", "3", "--global-batch-size", "8", "--json"]) == 0
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert reason.startswith("no layout: global batch 8 or sequence length 8192")
+
+
+@pytest.mark.parametrize("residual", ["standard", "lr_attnres"])
+def test_recompute_keeps_the_layer_inputs(residual):
+    """Full recompute of every layer keeps RECOMPUTE_INPUTS [s, b, d] bf16 tensors per layer
+    instead of its activations, plus one layer's activations rebuilt in the backward;
+    block k keeps the activations of the other layers; nothing else changes."""
+    shape = P.preset_shape("1b", residual=residual)
+    lay = P.Layout(1, 1, 1, 1, 2, False)
+    none = P.predict(shape, lay, 8, P.Cluster())
+    full = none.activations_gib / 16  # one layer, one micro-batch
+    kept = P.RECOMPUTE_INPUTS[residual] * 2 * 2048 * 2 * 2048 / P.GIB
+    every = P.predict(shape, dataclasses.replace(lay, recompute_layers=16), 8, P.Cluster())
+    assert every.recompute == "uniform"
+    assert every.activations_gib == pytest.approx(16 * kept + full)
+    assert every.activations_gib < none.activations_gib / 5
+    block = P.predict(shape, dataclasses.replace(lay, recompute_layers=5), 8, P.Cluster())
+    assert block.recompute == "block"
+    assert block.activations_gib == pytest.approx(11 * full + 5 * kept)
+    for part in ("weights_gib", "grads_gib", "optimizer_gib", "depth_state_gib", "logits_gib",
+                 "compute_s"):
+        assert getattr(every, part) == getattr(none, part) == getattr(block, part), part
+    # PP = 2: the first stage's 8 layers for 2 (1 + 1/2) = 3 micro-batches in flight keep
+    # their inputs (micro-batch 1: half the tokens), one layer is rebuilt
+    pp = P.predict(shape, P.Layout(1, 2, 1, 1, 1, False, recompute_layers=8), 8,
+                   P.Cluster(gpus=2))
+    pp_none = P.predict(shape, P.Layout(1, 2, 1, 1, 1, False), 8, P.Cluster(gpus=2))
+    one = pp_none.activations_gib / (8 * 3)
+    assert pp.activations_gib == pytest.approx(3 * 8 * kept / 2 + one)
+
+
+def test_recompute_reruns_the_forward_of_the_recomputed_layers():
+    """The rerun costs 1/3 of the recomputed layers' compute (x 4/3; the LM head is not
+    rerun), their forward TP collectives (x 3/2 with every layer) and CP K/V gathers, and
+    sits in the step and the bubble."""
+    shape = P.preset_shape("4b")
+    cluster = P.Cluster(gpus=16)
+    lay = P.Layout(2, 2, 1, 2, 1, True, cp=2)
+    none = P.predict(shape, lay, 64, cluster)
+    _, _, flops_token, _ = P._shape_costs(shape)
+    layers = none.compute_s * (1 - 6 * shape.vocab_size * shape.hidden_size / flops_token)
+    every = P.predict(shape, dataclasses.replace(lay, recompute_layers=16), 64, cluster)
+    assert every.recompute_s == pytest.approx(layers / 3)
+    assert (every.compute_s + every.recompute_s - none.compute_s) / layers == pytest.approx(1 / 3)
+    assert every.tp_comm_s == pytest.approx(1.5 * none.tp_comm_s)
+    assert every.cp_comm_s == pytest.approx(1.5 * none.cp_comm_s)
+    assert every.bubble_s == pytest.approx((every.compute_s + every.recompute_s) / 32)
+    parts = (every.compute_s + every.recompute_s + every.optimizer_s + every.tp_comm_s
+             + every.cp_comm_s + every.dp_comm_s + every.pp_comm_s + every.bubble_s)
+    assert every.step_s == pytest.approx(parts) and every.step_s > none.step_s
+    # block k: k of the 16 layers of a chunk (8 of a virtual stage with V = 2)
+    half = P.predict(shape, dataclasses.replace(lay, recompute_layers=8), 64, cluster)
+    assert half.recompute_s == pytest.approx(every.recompute_s / 2)
+    inter = P.predict(shape, dataclasses.replace(lay, vpp=2, recompute_layers=8), 64, cluster)
+    assert inter.recompute == "uniform" and inter.recompute_s == pytest.approx(
+        every.recompute_s)
+    with pytest.raises(ValueError, match="recompute_layers 9 is not in"):
+        P.predict(shape, dataclasses.replace(lay, vpp=2, recompute_layers=9), 64, cluster)
+
+
+def test_only_recompute_makes_a_layout_fit(capsys):
+    """4b on one 64 GiB GPU: no layout fits without recomputation (no TP, CP or PP on one
+    GPU); with it the fewest recomputed layers that fit are recommended, and a recomputed
+    row is listed only for a layout that does not fit without."""
+    shape = P.preset_shape("4b")
+    cluster = P.Cluster(gpus=1, gpu_memory_gib=64)
+    assert P.recommend(P.plan(shape, 8, cluster, recompute=False)) is None
+    preds = P.plan(shape, 8, cluster)
+    best = P.recommend(preds)
+    assert best is not None and best.recompute == "block" and best.recompute_s > 0
+    fewer = dataclasses.replace(best.layout, recompute_layers=best.layout.recompute_layers - 1)
+    assert not P.predict(shape, fewer, 8, cluster).fits
+    plain = {p.layout for p in preds if p.recompute == "none"}
+    for p in preds:
+        if p.recompute != "none":
+            assert dataclasses.replace(p.layout, recompute_layers=0) in plain
+            assert not P.predict(shape, dataclasses.replace(p.layout, recompute_layers=0), 8,
+                                 cluster).fits
+    assert main(["--preset", "4b", "--gpus", "1", "--gpu-memory-gib", "64",
+                 "--global-batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out.splitlines()[1]
+    assert f"full recompute of {best.layout.recompute_layers} layer(s) per chunk" in out
+    assert f"--recompute-method block --recompute-num-layers {best.layout.recompute_layers}" in out
 
 
 def test_cli_table_and_json(capsys):
@@ -199,12 +316,149 @@ def test_cli_table_and_json(capsys):
     assert "disagrees" in capsys.readouterr().err
 
 
+def _plan_json(argv):
+    """``lrattn-plan argv --json`` as a dict."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(argv) + ["--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def assert_flags_realise(args, rec, gpus):
+    """``args``, parsed by ``lrattn-pretrain``'s parser, run the layout ``rec`` (the
+    planner's ``recommended`` object) on ``gpus`` GPUs."""
+    tp, pp, cp = rec["tp"], rec["pp"], rec["cp"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.context_parallel_size) == (tp, pp, cp)
+    assert gpus % (tp * pp * cp) == 0 and gpus // (tp * pp * cp) == rec["dp"]
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    assert (1 if per_virtual is None else args.num_layers // (pp * per_virtual)) == rec["vpp"]
+    assert args.sequence_parallel == (tp > 1)
+    assert args.micro_batch_size == rec["micro_batch"]
+    assert args.global_batch_size // (args.micro_batch_size * rec["dp"]) == rec["num_micro"]
+    assert args.use_distributed_optimizer == rec["distributed_optimizer"]
+    reduced = rec["dp"] * cp > 1
+    assert args.overlap_grad_reduce is reduced
+    assert args.overlap_param_gather is (reduced and rec["distributed_optimizer"])
+    chunk = args.num_layers // (pp * rec["vpp"])
+    if rec["recompute"] == "none":
+        assert args.recompute_granularity is None and rec["recompute_layers"] == 0
+    else:
+        assert args.recompute_granularity == "full"
+        assert args.recompute_method == rec["recompute"]
+        # the layers of a chunk LRAttnResBlock.recompute_groups runs under recompute
+        k = args.recompute_num_layers
+        recomputed = chunk if args.recompute_method == "uniform" else min(k, chunk)
+        assert recomputed == rec["recompute_layers"]
+        assert (k == 1) if args.recompute_method == "uniform" else k < chunk
+
+
+_FLAG_CASES = [
+    ("1b", ["--nodes", "1"]),
+    ("4b", ["--nodes", "4", "--gpus-per-node", "1", "--gpu-memory-gib", "24"]),
+    ("4b", ["--nodes", "1", "--gpus-per-node", "4", "--gpu-memory-gib", "24",
+            "--seq-length", "16384"]),
+    ("4b", ["--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gib", "24",
+            "--seq-length", "16384"]),
+    ("8b", ["--nodes", "8", "--gpus-per-node", "4", "--gpu-memory-gib", "16",
+            "--seq-length", "16384"]),
+    ("0.5b", ["--gpus", "2", "--gpus-per-node", "2", "--gpu-memory-gib", "16"]),
+]
+
+
+def test_recommended_flags_parse_to_the_planned_layout():
+    """The flags of the recommendation, given to lrattn-pretrain's parser with the preset,
+    are accepted and run the planned layout; the cases cover TP (with sequence
+    parallelism), CP, PP, VPP, both recompute methods, both optimizers and a model flag."""
+    seen = set()
+    for preset, argv in _FLAG_CASES:
+        data = _plan_json(["--preset", preset] + argv)
+        rec = data["recommended"]
+        args = parse_args(["--preset", preset] + rec["flags"])
+        assert_flags_realise(args, rec, data["cluster"]["gpus"])
+        if "--seq-length" in argv:
+            assert args.seq_length == int(argv[argv.index("--seq-length") + 1])
+            seen.add("model flag")
+        seen |= {name for name, on in (("tp", rec["tp"] > 1), ("cp", rec["cp"] > 1),
+                                       ("pp", rec["pp"] > 1), ("vpp", rec["vpp"] > 1),
+                                       ("distopt", rec["distributed_optimizer"]),
+                                       ("no distopt", not rec["distributed_optimizer"])) if on}
+        seen.add(rec["recompute"])
+    assert seen == {"tp", "cp", "pp", "vpp", "distopt", "no distopt", "none", "uniform",
+                    "block", "model flag"}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["tiny", "0.5b", "1b", "4b", "8b"]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from([1, 2, 4, 8]), st.sampled_from([16, 24, 40, 80, 141]),
+       st.sampled_from([[], ["--seq-length", "16384"], ["--global-batch-size", "64"]]))
+def test_fuzzed_recommendations_parse_to_the_planned_layout(preset, nodes, per_node, memory,
+                                                             extra):
+    data = _plan_json(["--preset", preset, "--nodes", str(nodes), "--gpus-per-node",
+                       str(per_node), "--gpu-memory-gib", str(memory)] + extra)
+    rec = data["recommended"]
+    if rec is None:
+        assert data["reason"].startswith("no layout") and "\n" not in data["reason"]
+        return
+    assert data["reason"] is None and rec["summary"].startswith(f"TP={rec['tp']} CP=")
+    args = parse_args(["--preset", preset] + rec["flags"])
+    assert_flags_realise(args, rec, nodes * per_node)
+
+
+def test_config_file_plans_as_lrattn_pretrain_reads_it(tmp_path):
+    """``--config``: a generated preset file plans as its preset; an edited copy with a
+    ``preset`` key plans its own model and batch, and lrattn-pretrain given the same file
+    and the recommended flags runs that layout."""
+    a = _plan_json(["--preset", "1b", "--nodes", "2"])
+    b = _plan_json(["--config", str(PRESET_FILES / "1b.yaml"), "--nodes", "2"])
+    assert b["preset"] == "tiny" and b["config"].endswith("1b.yaml")  # lrattn-pretrain's base
+    assert b["layouts"] == a["layouts"] and b["recommended"] == a["recommended"]
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text("preset: 4b\nseq_length: 16384\nglobal_batch_size: 64\n")
+    data = _plan_json(["--config", str(cfg), "--gpu-memory-gib", "80", "--gpus", "8"])
+    assert data["preset"] == "4b" and data["global_batch_size"] == 64
+    rec = data["recommended"]
+    args = parse_args(["--config", str(cfg)] + rec["flags"])
+    assert (args.num_layers, args.seq_length, args.global_batch_size) == (32, 16384, 64)
+    assert_flags_realise(args, rec, 8)
+    # TE runs CP = 1 only; FP8 with depth attention is not recomputed
+    te = tmp_path / "te.yaml"
+    te.write_text("preset: 4b\ntransformer_impl: transformer_engine\nfp8_format: e4m3\n")
+    data = _plan_json(["--config", str(te), "--gpus", "8", "--gpu-memory-gib", "24"])
+    assert {row["cp"] for row in data["layouts"]} == {1}
+    assert {row["recompute"] for row in data["layouts"]} == {"none"}
+
+
+@pytest.mark.parametrize("text,extra,message,pretrain_refuses", [
+    ("sequence_parallel: true\n", [], "sequence_parallel fix(es) a layout choice", False),
+    ("recompute_granularity: full\nrecompute_method: uniform\nrecompute_num_layers: 1\n", [],
+     "recompute_granularity, recompute_method, recompute_num_layers fix(es)", False),
+    ("num_layerz: 3\n", [], "unknown key 'num_layerz'", True),
+    ("hidden_size: big\n", [], "key 'hidden_size': expected an integer", True),
+    ("preset: 4b\n", ["--preset", "1b"], "--preset 1b disagrees with preset '4b'", True),
+    ("[1, 2]\n", [], "expected a mapping", True),
+])
+def test_config_file_refusals_are_one_line(tmp_path, capsys, text, extra, message,
+                                           pretrain_refuses):
+    """A file lrattn-pretrain refuses is refused with its message (the same reader); keys
+    that fix a layout choice the recommended flags could not undo are refused too."""
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    assert main(["--config", str(cfg)] + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lrattn-plan: error:") and message in err and err.count("\n") == 1
+    if pretrain_refuses:
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            parse_args(["--config", str(cfg)] + extra)
+
+
 _FLAGS = ["--preset", "--num-layers", "--hidden-size", "--ffn-hidden-size",
           "--num-attention-heads", "--num-query-groups", "--seq-length", "--rank",
           "--num-blocks", "--vocab-size", "--residual", "--key", "--global-batch-size",
           "--micro-batch-size", "--gpus", "--nodes", "--gpus-per-node", "--gpu-memory-gib",
           "--intra-node-gbps", "--inter-node-gbps", "--peak-tflops", "--top", "--json",
-          "--context-parallel-size"]
+          "--context-parallel-size", "--config", "--no-recompute"]
 _VALUES = ["0", "-1", "1", "2", "3", "8", "16", "48", "1e9", "nan", "inf", "x", "tiny", "8b",
            "standard", "attnres", "projected", "0.5"]
 

@@ -3,8 +3,9 @@
 For a model shape (``analysis.flops.ModelShape``), a global batch and a cluster, every
 layout ``TP x CP x PP (x V virtual stages) x DP`` with a micro-batch size and with or
 without the distributed optimizer gets a predicted peak memory per GPU and step time;
-``recommend`` picks the fastest that fits. The model and its assumptions
-(docs/parallelism.md, "Planner"):
+a layout that does not fit is tried again with activation recomputation; ``recommend``
+picks the fastest that fits. The model and its assumptions (docs/parallelism.md,
+"Planner"):
 
 Context parallelism (megatron's ``--context-parallel-size``)
   * each sequence is cut into 2 CP chunks and CP rank i holds chunks i and 2 CP - 1 - i
@@ -15,6 +16,25 @@ Context parallelism (megatron's ``--context-parallel-size``)
   * the depth read is per token (no communication); attention all-gathers K and V over
     the CP group in the forward and reduce-scatters their gradients in the backward.
 
+Activation recomputation (megatron's ``--recompute-granularity full``)
+  * ``Layout.recompute_layers`` = k of the n = L / (PP V) layers of each model chunk run
+    under full recompute: k = n is ``--recompute-method uniform --recompute-num-layers 1``,
+    0 < k < n ``--recompute-method block --recompute-num-layers k`` (selective recompute
+    saves nothing with the SDPA core, which stores no probabilities, and is not planned).
+  * a recomputed layer keeps only its input instead of its activations: the hidden state
+    ([s/(TP CP), b, d] bf16) with standard residuals; with depth attention the depth state
+    that entered it, whose shared sources (embedding, completed block sums) are the depth
+    state below, plus ``RECOMPUTE_INPUTS`` tensors of [s/(TP CP), b, w] bf16 of its own
+    (the partial sum entering it and the two-phase schedule's cached phase-1 reads).
+    When every layer of a chunk is recomputed, the backward rebuilds one layer's
+    activations of one micro-batch on top (with k < n they fit in the space the
+    non-recomputed layers of that micro-batch have freed).
+  * the backward reruns the recomputed layers' forward: their compute x 4/3 (the LM head
+    is not recomputed), their TP collectives x 3/2 (the 2 forward ones again) and the CP
+    K/V all-gather again.
+  * ``plan`` lists a layout with recomputation only when it does not fit without: the
+    smallest k that fits (the fastest), else the k of least memory.
+
 Memory per GPU (the busiest stage: the first, which holds the embedding and the most
 micro-batches in flight)
   * weights bf16 (2 B), gradients fp32 (4 B: megatron's main-grad buffer, reduced in fp32),
@@ -24,10 +44,10 @@ micro-batches in flight)
   * activations: per layer and token, ``ACT_ALPHA x (2 (6 d + 2 g k) + 6 h)`` bytes, the
     tensors a pre-norm SwiGLU layer with SDPA attention saves for the backward in bf16
     (norm inputs and outputs, Q K V, attention output, both FC1 halves and the SwiGLU
-    output), scaled by a factor fitted to the one-H200 peaks; divided by TP (sequence
-    parallelism on with TP > 1) and by CP; 1F1B keeps PP micro-batches in flight on the
-    first stage, the interleaved schedule ``PP (1 + (PP - 1) / (PP V))``
-    chunk-micro-batches.
+    output), scaled by a factor fitted to the one-H200 peaks (a recomputed layer: its
+    input, above); divided by TP (sequence parallelism on with TP > 1) and by CP; 1F1B
+    keeps PP micro-batches in flight on the first stage, the interleaved schedule
+    ``PP (1 + (PP - 1) / (PP V))`` chunk-micro-batches.
   * depth state per micro-batch in flight: the sources ``v_0, B_1..B_N`` and a partial sum
     (``N + 2`` tensors of [s/(TP CP), b, w] bf16, w = d or d + r), plus the packed input
     of a pipeline hop (its source count from the depth schedule).
@@ -39,7 +59,7 @@ Step time
     (T + T_HALF) with T the tokens of one micro-batch per TP x CP rank; MFU_MAX and
     T_HALF are fitted to the one-H200 measurements in ``CALIBRATION`` (standard
     residuals), and a depth mode multiplies the compute by its measured ratio to
-    standard (``RESIDUAL_FACTOR``).
+    standard (``RESIDUAL_FACTOR``). Recomputation adds its own term (above).
   * optimizer: fused AdamW moves ``OPT_BYTES`` bytes per local parameter at
     ``HBM_EFFICIENCY`` of the HBM bandwidth (divided by DP x CP with the distributed
     optimizer).
@@ -54,9 +74,9 @@ Step time
     overlap the reduce hides under the last micro-batch's backward (2/3 of its compute)
     and the gather under the first forward (1/3), one bucket (40M parameters) stays
     exposed.
-  * pipeline: bubble ``(PP - 1) / (V m)`` of the compute (m micro-batches per DP rank),
-    and per micro-batch and chunk one forward and one backward hop of the packed depth
-    state (the cached payload of ``depth.payload.hop_payloads`` with V > 1).
+  * pipeline: bubble ``(PP - 1) / (V m)`` of the compute and recompute (m micro-batches
+    per DP rank), and per micro-batch and chunk one forward and one backward hop of the
+    packed depth state (the cached payload of ``depth.payload.hop_payloads`` with V > 1).
   * groups are placed as megatron orders ranks (tp-cp-ep-dp-pp: TP fastest, then CP, then
     DP, then PP): a group whose span exceeds the node uses the inter-node bandwidth.
 """
@@ -66,7 +86,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_lrattn.analysis.flops import (
@@ -106,6 +126,12 @@ LINK_EFFICIENCY = 0.8
 BUCKET_PARAMS = 40_000_000
 USABLE_MEMORY = 0.92
 """Share of GPU memory a layout may plan for (allocator fragmentation, CUDA context)."""
+RECOMPUTE_INPUTS = {"standard": 1, "attnres": 2, "lr_attnres": 2}
+"""[s, b, w] bf16 tensors a recomputed layer keeps besides the shared depth sources: the
+hidden state (standard); the partial sum entering the layer (none at a block start, so an
+upper bound) plus about one cached phase-1 read per layer with the two-phase schedule (the
+saved tensors counted in docs/performance.md: 38 kB two-phase against 21 kB per-site for
+4 layers of 32 tokens x 32 fp32, about 4 more [tokens, d] tensors)."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +175,12 @@ class Layout:
         tp, pp, vpp, dp: tensor-, pipeline-parallel size, virtual stages per pipeline
             rank, data-parallel size (DP excludes CP, as in megatron).
         micro_batch: sequences per micro-batch; distributed_optimizer: optimizer state
-            sharded over DP x CP; overlap: gradient reduce overlapped with the backward.
+            sharded over DP x CP; overlap: gradient reduce (and, with the distributed
+            optimizer, parameter all-gather) overlapped with the backward (forward).
         cp: context-parallel size (default 1).
+        recompute_layers: layers of each model chunk (L / (PP V) layers) under full
+            activation recomputation: 0 none (default), all of them megatron's uniform
+            method with one layer per unit, fewer its block method.
     """
 
     tp: int
@@ -161,14 +191,25 @@ class Layout:
     distributed_optimizer: bool
     overlap: bool = True
     cp: int = 1
+    recompute_layers: int = 0
+
+    def recompute_method(self, num_layers: int) -> Optional[str]:
+        """``"uniform"``, ``"block"`` or None (no recomputation) for a model of
+        ``num_layers`` layers."""
+        if not self.recompute_layers:
+            return None
+        chunk = num_layers // (self.pp * self.vpp)
+        return "uniform" if self.recompute_layers == chunk else "block"
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted memory (GiB per GPU, busiest stage) and step time (s) of a layout."""
+    """Predicted memory (GiB per GPU, busiest stage) and step time (s) of a layout;
+    ``recompute`` is its recomputation method (``"uniform"``, ``"block"`` or ``"none"``)."""
 
     layout: Layout
     num_micro: int
+    recompute: str
     weights_gib: float
     grads_gib: float
     optimizer_gib: float
@@ -178,6 +219,7 @@ class Prediction:
     memory_gib: float
     fits: bool
     compute_s: float
+    recompute_s: float
     optimizer_s: float
     tp_comm_s: float
     cp_comm_s: float
@@ -189,6 +231,7 @@ class Prediction:
     mfu: float
 
     def as_dict(self) -> Dict:
+        """Flat dict: the prediction's fields and the layout's."""
         out = asdict(self)
         out.update(out.pop("layout"))
         return out
@@ -209,14 +252,17 @@ def _mfu_fit() -> Tuple[float, float]:
     return m1 * (t1 + t_half) / t1, t_half
 
 
-def preset_shape(name: str, vocab_size: int = 4096, **overrides) -> ModelShape:
-    """The ``ModelShape`` of preset ``name`` (its model flags, ``overrides`` win)."""
+def preset_shape(name: str, vocab_size: int = 4096, config: Optional[Dict] = None,
+                 **overrides) -> ModelShape:
+    """The ``ModelShape`` of preset ``name``: its model flags, then ``config`` (values of an
+    ``lrattn-pretrain --config`` file), then the ``overrides`` that are not None win."""
     from types import SimpleNamespace
 
     from megatron_lrattn.training.presets import PRESETS
 
     values = dict(num_query_groups=None, rank=None, qk_layernorm=False)
     values.update(PRESETS[name])
+    values.update(config or {})
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ModelShape.from_args(SimpleNamespace(**values), vocab_size)
 
@@ -257,56 +303,92 @@ def _hop_sources(shape: ModelShape, pp: int, vpp: int) -> float:
     return total / (chunks - 1)
 
 
-def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Cluster
-            ) -> Prediction:
-    """Memory and step time of ``layout`` (module docstring); raises ``ValueError`` when the
-    global batch does not split into its micro-batches or the sequence not over TP x CP."""
+@functools.lru_cache(maxsize=None)
+def _shape_costs(shape: ModelShape) -> Tuple[float, float, float, float]:
+    """(parameters, parameters of a layer, training FLOPs per token with 3 x the depth
+    reads, model FLOPs per token) of ``shape``."""
+    counts = parameter_counts(shape)
+    layer_params = (counts.total - counts.embedding - shape.hidden_size) / shape.num_layers
+    model = model_flops_per_token(shape)
+    return counts.total, layer_params, model + 3 * forward_flops(shape).depth_reads, model
+
+
+def _memory(shape: ModelShape, layout: Layout) -> Tuple[float, ...]:
+    """(weights, grads, optimizer, activations, depth state, logits) bytes per GPU of the
+    busiest stage, and the local parameters (module docstring)."""
     tp, cp, pp, v, dp = layout.tp, layout.cp, layout.pp, layout.vpp, layout.dp
-    b = layout.micro_batch
+    s, d, h, L, V = (shape.seq_length, shape.hidden_size, shape.ffn_hidden_size,
+                     shape.num_layers, shape.vocab_size)
+    _, layer_params, _, _ = _shape_costs(shape)
+    embed = V * d
+    stage = layer_params * L / pp + (embed * (2 if shape.untied else 1) if pp == 1 else embed)
+    local = stage / tp
+    shard = dp * cp if layout.distributed_optimizer else 1
+
+    gk = shape.num_query_groups * shape.head_dim
+    tokens_rank = s * layout.micro_batch / cp / tp
+    inflight = pp * (1 + (pp - 1) / (pp * v)) if pp > 1 else 1
+    width = d + (shape.rank if shape.projected else 0)
+    full = ACT_ALPHA * (2 * (6 * d + 2 * gk) + 6 * h) * tokens_rank
+    kept = RECOMPUTE_INPUTS[shape.residual] * 2 * width * tokens_rank
+    n, k = L // (pp * v), layout.recompute_layers
+    act = ((n - k) * full + k * kept) / n * (L / pp) * inflight + (full if k == n else 0.0)
+    n_src = 0 if shape.residual == "standard" else shape.num_blocks + 2
+    hop = _hop_sources(shape, pp, v) if pp > 1 else 0
+    depth = (n_src + hop) * tokens_rank * width * 2 * inflight
+    logits = 2 * 4 * tokens_rank * V if pp == 1 else 0.0
+    return 2 * local, 4 * local, 12 * local / shard, act, depth, logits, local
+
+
+def _check_layout(shape: ModelShape, layout: Layout, global_batch: int) -> None:
+    b, dp, tp, cp = layout.micro_batch, layout.dp, layout.tp, layout.cp
     if global_batch % (b * dp):
         raise ValueError(f"global batch {global_batch} is not divisible by micro-batch {b} "
                          f"x DP {dp}")
     if not sequence_splits(shape.seq_length, tp, cp):
         raise ValueError(f"sequence length {shape.seq_length} does not split over TP {tp} x "
                          f"2 CP {2 * cp if cp > 1 else 1}")
-    m = global_batch // (b * dp)
-    s, d, h, L, V = (shape.seq_length, shape.hidden_size, shape.ffn_hidden_size,
-                     shape.num_layers, shape.vocab_size)
-    counts = parameter_counts(shape)
-    layer_params = (counts.total - counts.embedding - d) / L
-    embed = V * d
-    stage = layer_params * L / pp + (embed * (2 if shape.untied else 1) if pp == 1 else embed)
-    local = stage / tp
-    grad_ranks = dp * cp
-    shard = grad_ranks if layout.distributed_optimizer else 1
-    weights, grads, opt = 2 * local, 4 * local, 12 * local / shard
+    chunk = shape.num_layers // (layout.pp * layout.vpp)
+    if not 0 <= layout.recompute_layers <= chunk:
+        raise ValueError(f"recompute_layers {layout.recompute_layers} is not in [0, {chunk}] "
+                         "(the layers of a model chunk)")
 
-    gk = shape.num_query_groups * shape.head_dim
-    per_layer_token = ACT_ALPHA * (2 * (6 * d + 2 * gk) + 6 * h)
-    tokens_mb = s * b / cp
-    inflight = pp * (1 + (pp - 1) / (pp * v)) if pp > 1 else 1
-    act = per_layer_token * tokens_mb * (L / pp) / tp * inflight
-    width = d + (shape.rank if shape.projected else 0)
-    n_src = 0 if shape.residual == "standard" else shape.num_blocks + 2
-    hop = _hop_sources(shape, pp, v)
-    depth = (n_src + (hop if pp > 1 else 0)) * tokens_mb / tp * width * 2 * inflight
-    logits = 2 * 4 * tokens_mb * V / tp if pp == 1 else 0.0
+
+def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Cluster
+            ) -> Prediction:
+    """Memory and step time of ``layout`` (module docstring); raises ``ValueError`` when the
+    global batch does not split into its micro-batches, the sequence not over TP x CP, or
+    ``recompute_layers`` exceeds the layers of a model chunk."""
+    _check_layout(shape, layout, global_batch)
+    tp, cp, pp, v, dp = layout.tp, layout.cp, layout.pp, layout.vpp, layout.dp
+    b = layout.micro_batch
+    m = global_batch // (b * dp)
+    s, d, L = shape.seq_length, shape.hidden_size, shape.num_layers
+    weights, grads, opt, act, depth, logits, local = _memory(shape, layout)
     memory = (weights + grads + opt + act + depth + logits) / GIB
     fits = memory <= USABLE_MEMORY * cluster.gpu_memory_gib
+    grad_ranks = dp * cp
+    shard = grad_ranks if layout.distributed_optimizer else 1
 
+    _, _, flops_token, model_flops_token = _shape_costs(shape)
     mfu_max, t_half = MFU_FIT
+    tokens_mb = s * b / cp
     tokens_rank = tokens_mb / tp
     mfu = mfu_max * tokens_rank / (tokens_rank + t_half)
-    flops_token = model_flops_per_token(shape) + 3 * forward_flops(shape).depth_reads
     step_flops = flops_token * global_batch * s
     compute = step_flops / (cluster.gpus * cluster.peak_tflops * 1e12 * mfu)
     compute *= RESIDUAL_FACTOR[shape.residual]
-    per_micro = compute / m
+    recomputed = layout.recompute_layers * v  # layers of this pipeline rank
+    layer_share = 1 - 6 * shape.vocab_size * d / flops_token
+    recompute = compute * layer_share * recomputed / (L / pp) / 3
+    per_micro = (compute + recompute) / m
     optimizer = _optimizer_time(local / shard, cluster)
     tp_bytes = tokens_mb * d * 2
-    tp_comm = 4 * (L / pp) * m * _ring(tp_bytes, tp, cluster.bandwidth(tp))
+    tp_comm = (4 * L / pp + 2 * recomputed) * m * _ring(tp_bytes, tp, cluster.bandwidth(tp))
+    gk = shape.num_query_groups * shape.head_dim
     kv_bytes = 2 * s * b * gk / tp * 2
-    cp_comm = 2 * (L / pp) * m * _ring(kv_bytes, cp, cluster.bandwidth(tp * cp), 1.0)
+    cp_comm = (2 * L / pp + recomputed) * m * _ring(kv_bytes, cp, cluster.bandwidth(tp * cp),
+                                                    1.0)
     bw_dp = cluster.bandwidth(tp * cp * dp)
     if layout.distributed_optimizer:
         reduce = _ring(4 * local, grad_ranks, bw_dp, 1.0)
@@ -321,15 +403,34 @@ def predict(shape: ModelShape, layout: Layout, global_batch: int, cluster: Clust
     pp_comm = 0.0
     if pp > 1:
         # the slowest hop sets the pace: inter-node unless the whole pipeline is in a node
-        hop_bytes = hop * tokens_mb / tp * width * 2
+        width = d + (shape.rank if shape.projected else 0)
+        hop_bytes = _hop_sources(shape, pp, v) * tokens_rank * width * 2
         pp_comm = 2 * m * v * hop_bytes / cluster.bandwidth(tp * cp * dp * pp)
-    bubble = compute * (pp - 1) / (v * m)
-    step = compute + optimizer + tp_comm + cp_comm + dp_comm + pp_comm + bubble
-    model_flops = model_flops_per_token(shape) * global_batch * s
-    return Prediction(layout, m, weights / GIB, grads / GIB, opt / GIB, act / GIB, depth / GIB,
-                      logits / GIB, memory, fits, compute, optimizer, tp_comm, cp_comm,
-                      dp_comm, pp_comm, bubble, step, global_batch * s / step,
+    bubble = (compute + recompute) * (pp - 1) / (v * m)
+    step = compute + recompute + optimizer + tp_comm + cp_comm + dp_comm + pp_comm + bubble
+    model_flops = model_flops_token * global_batch * s
+    return Prediction(layout, m, layout.recompute_method(L) or "none", weights / GIB,
+                      grads / GIB, opt / GIB, act / GIB, depth / GIB, logits / GIB, memory,
+                      fits, compute, recompute, optimizer, tp_comm, cp_comm, dp_comm, pp_comm,
+                      bubble, step, global_batch * s / step,
                       model_flops / (step * cluster.gpus * cluster.peak_tflops * 1e12))
+
+
+def with_recompute(shape: ModelShape, layout: Layout, cluster: Cluster) -> Optional[Layout]:
+    """``layout`` with the fewest recomputed layers per model chunk that make it fit (the
+    fastest: time grows with them), else with the recomputation of least memory; None
+    when recomputation is not possible (a chunk of no layers)."""
+    chunk = shape.num_layers // (layout.pp * layout.vpp)
+    limit = USABLE_MEMORY * cluster.gpu_memory_gib * GIB
+    best, best_bytes = None, math.inf
+    for k in range(1, chunk + 1):
+        candidate = replace(layout, recompute_layers=k)
+        used = sum(_memory(shape, candidate)[:6])
+        if used <= limit:
+            return candidate
+        if used < best_bytes:
+            best, best_bytes = candidate, used
+    return best
 
 
 def context_parallel_sizes(gpus: int) -> List[int]:
@@ -340,15 +441,17 @@ def context_parallel_sizes(gpus: int) -> List[int]:
 def layouts(shape: ModelShape, global_batch: int, cluster: Cluster,
             micro_batches: Optional[Sequence[int]] = None,
             context_parallel: Optional[Sequence[int]] = None) -> Iterable[Layout]:
-    """Every layout of ``cluster.gpus`` GPUs the model and batch admit: TP a power of two
-    within a node dividing the heads and key/value groups, CP from ``context_parallel``
-    (default ``context_parallel_sizes``) with the sequence split over TP x 2 CP
-    (``sequence_splits``), PP dividing L, V in {1, 2, 4} dividing L / PP (with PP > 1 and
-    micro-batches a multiple of PP), micro-batches from ``micro_batches`` (default 1, 2,
-    4, 8) dividing the batch per DP rank."""
+    """Every layout of ``cluster.gpus`` GPUs the model and batch admit, without
+    recomputation: TP a power of two within a node dividing the heads, the key/value groups
+    and the FFN width, CP from ``context_parallel`` (default ``context_parallel_sizes``)
+    with the sequence split over TP x 2 CP (``sequence_splits``), PP dividing L, V in
+    {1, 2, 4} dividing L / PP (with PP > 1 and micro-batches a multiple of PP),
+    micro-batches from ``micro_batches`` (default 1, 2, 4, 8) dividing the batch per DP
+    rank."""
     n = cluster.gpus
     tps = [t for t in (1, 2, 4, 8) if t <= min(cluster.gpus_per_node, n)
-           and shape.num_attention_heads % t == 0 and shape.num_query_groups % t == 0]
+           and shape.num_attention_heads % t == 0 and shape.num_query_groups % t == 0
+           and shape.ffn_hidden_size % t == 0]
     cps = context_parallel or context_parallel_sizes(n)
     for tp, cp, pp in itertools.product(tps, cps, range(1, shape.num_layers + 1)):
         if n % (tp * cp * pp) or shape.num_layers % pp:
@@ -370,10 +473,19 @@ def layouts(shape: ModelShape, global_batch: int, cluster: Cluster,
 
 def plan(shape: ModelShape, global_batch: int, cluster: Cluster,
          micro_batches: Optional[Sequence[int]] = None,
-         context_parallel: Optional[Sequence[int]] = None) -> List[Prediction]:
-    """Predictions of every layout (``layouts``' arguments), fastest first."""
-    out = [predict(shape, lay, global_batch, cluster)
-           for lay in layouts(shape, global_batch, cluster, micro_batches, context_parallel)]
+         context_parallel: Optional[Sequence[int]] = None,
+         recompute: bool = True) -> List[Prediction]:
+    """Predictions of every layout (``layouts``' arguments), fastest first; with
+    ``recompute`` a layout that does not fit is listed once more with recomputation
+    (``with_recompute``)."""
+    out = []
+    for lay in layouts(shape, global_batch, cluster, micro_batches, context_parallel):
+        pred = predict(shape, lay, global_batch, cluster)
+        out.append(pred)
+        if recompute and not pred.fits:
+            again = with_recompute(shape, lay, cluster)
+            if again is not None:
+                out.append(predict(shape, again, global_batch, cluster))
     return sorted(out, key=lambda p: (p.step_s, p.memory_gib))
 
 
