@@ -83,7 +83,8 @@ if [[ "$NODE_RANK" == 0 ]]; then
     # lrattn-pretrain logs the resolved arguments, git SHA and versions itself.
     echo "launch: $NNODES node(s) x $NPROC_PER_NODE GPUs, config $CONFIG, layout $LAYOUT:" \
          "$LAYOUT_TEXT" >&2
-    echo "launch: flags ${PARALLEL_ARGS[*]} $*" >&2
+    LOGGED=(${PARALLEL_ARGS[@]+"${PARALLEL_ARGS[@]}"} "$@")
+    echo "launch: flags ${LOGGED[*]:-none}" >&2
 fi
 
 COMMAND=(torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_lrattn.cli.pretrain
