@@ -199,3 +199,46 @@ def test_resume_with_more_iterations_and_override_uses_the_new_schedule(tmp_path
     # from the saved step 4 on: cosine over 8 iterations, not --min-lr
     assert lrs[4:] == pytest.approx([_cosine(i, 1, 8) for i in range(5, 9)])
     assert lrs[4] > 4 * 3e-4
+
+
+@pytest.mark.slow
+def test_no_load_optim_keeps_weights_and_progress_with_a_fresh_optimizer(tmp_path_factory):
+    """``--no-load-optim``: iteration and data position continue and the first resumed loss
+    (the forward on the loaded weights) equals a full resume's; the Adam state and the LR
+    schedule start afresh (Megatron saves the schedule with the optimizer), so the next
+    step differs from the full resume's."""
+    cache = tmp_path_factory.mktemp("lrattn_cache")
+    work = tmp_path_factory.mktemp("no_load_optim")
+    rc, out, err = _run([*SMALL, "--train-iters", "4", "--save", "A", "--save-interval", "2",
+                         "--exit-interval", "2"], cache, work)
+    assert rc == 0, err[-3000:]
+    runs = {}
+    for name, extra in (("full", []), ("fresh", ["--no-load-optim"])):
+        rc, out, err = _run([*SMALL, "--train-iters", "4", "--load", "A", *extra,
+                             "--override-opt_param-scheduler", "--log-json",
+                             f"{name}.jsonl"], cache, work)
+        assert rc == 0, err[-3000:]
+        runs[name] = _records(work / f"{name}.jsonl", "train")
+    full, fresh = runs["full"], runs["fresh"]
+    assert [r["iteration"] for r in fresh] == [r["iteration"] for r in full] == [3, 4]
+    assert fresh[0]["loss"] == full[0]["loss"]
+    assert fresh[1]["loss"] != full[1]["loss"]
+    # the restarted schedule warms up again from its first step
+    assert fresh[0]["lr"] == pytest.approx(_cosine(1, 1, 4))
+    assert full[0]["lr"] == pytest.approx(_cosine(3, 1, 4))
+
+
+@pytest.mark.slow
+def test_sample_based_schedule_trains_the_resolved_iterations(tmp_path_factory):
+    """``--train-samples 16 --lr-warmup-samples 4 --lr-decay-samples 12`` at global batch 4
+    trains 4 iterations with 1 warm-up iteration and a cosine decay over 3."""
+    cache = tmp_path_factory.mktemp("lrattn_cache")
+    work = tmp_path_factory.mktemp("samples")
+    argv = SMALL[:SMALL.index("--lr-warmup-iters")] + ["--no-progress"]
+    rc, out, err = _run([*argv, "--train-samples", "16", "--lr-warmup-samples", "4",
+                         "--lr-decay-samples", "12", "--log-json", "s.jsonl"], cache, work)
+    assert rc == 0, err[-3000:]
+    train = _records(work / "s.jsonl", "train")
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    assert [r["lr"] for r in train] == pytest.approx([_cosine(i, 1, 3) for i in (1, 2, 3)]
+                                                      + [3e-4])
