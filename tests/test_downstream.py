@@ -35,8 +35,8 @@ def test_off_by_default():
     (["--downstream-eval-interval", "5", "--downstream-eval-tasks", "cloze"], {},
      "heldout,last_word,next_line"),
     (["--downstream-eval-interval", "5", "--downstream-eval-tasks", ","], {}, "subset"),
-    (["--downstream-eval-interval", "5"], {"tp": 2}, "--tensor-model-parallel-size 1"),
-    (["--downstream-eval-interval", "5"], {"pp": 2}, "(got 1 and 2)"),
+    (["--downstream-eval-interval", "5"], {"tp": 2}, "--tensor-model-parallel-size,"),
+    (["--downstream-eval-interval", "5"], {"pp": 2}, "(got 1, 2 and 1)"),
     (["--downstream-eval-interval", "5"], {"mock": True}, "--tokenizer-model"),
 ])
 def test_refusals_are_one_line(argv, kw, needle):

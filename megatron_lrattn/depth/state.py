@@ -272,23 +272,27 @@ class DepthState:
             )
 
     def read_normed(self, query: Tensor, config, site: int, norm: Callable[[Tensor], Tensor],
-                    rmsnorm: Optional[Tuple[Tensor, Optional[float]]] = None) -> Tensor:
+                    rmsnorm: Optional[Callable[[], Optional[Tuple[Tensor, Optional[float]]]]]
+                    = None) -> Tensor:
         """The next sub-layer's input: ``norm(read(query, config, site))``.
 
         Args:
             query, config, site: as for ``read``.
             norm: the next sub-layer's PreNorm.
-            rmsnorm: (weight, eps) of ``norm`` when it is an RMSNorm that a merge can apply
-                itself (the layer's ``model.norms.fusable_rmsnorm``), else None.
+            rmsnorm: called only where a merge could apply the norm itself; returns
+                (weight, eps) of ``norm`` when it is an RMSNorm a merge can apply (the layer
+                passes ``model.norms.fusable_rmsnorm`` of its norm), else None.
 
-        With the two-phase schedule, a read that merges the partial sum applies ``rmsnorm``
+        With the two-phase schedule, a read that merges the partial sum applies the RMSNorm
         inside the merge when ``config.fuse_depth_norm``; otherwise ``norm`` runs on the
         read.
         """
         if rmsnorm is not None and config.fuse_depth_norm and self._schedule is not None \
                 and self.partial is not None:
-            with torch.profiler.record_function("depth_read"):
-                return self._read_two_phase(query, config, site, rmsnorm)
+            params = rmsnorm()
+            if params is not None:
+                with torch.profiler.record_function("depth_read"):
+                    return self._read_two_phase(query, config, site, params)
         return norm(self.read(query, config, site=site))
 
     def _read_two_phase(self, query: Tensor, config, site: int, norm=None) -> Tensor:

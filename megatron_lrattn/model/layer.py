@@ -83,7 +83,7 @@ class LRAttnResLayer(TransformerLayer):
     def _read_input(self, depth_state: DepthState, query: Tensor, site: int, norm) -> Tensor:
         # a weighted torch RMSNorm can be applied inside a two-phase merge
         return depth_state.read_normed(query, self.config, site, partial(apply_norm, norm),
-                                       fusable_rmsnorm(norm))
+                                       partial(fusable_rmsnorm, norm))
 
     def forward(
         self,

@@ -409,7 +409,7 @@ def _check_data_flags(args: argparse.Namespace) -> None:
     if args.reset_attention_mask:
         if args.transformer_impl == "transformer_engine":
             core = "TE's TEDotProductAttention (--transformer-impl transformer_engine)"
-        elif (args.context_parallel_size or 1) > 1:
+        elif (getattr(args, "context_parallel_size", 1) or 1) > 1:
             core = ("the context-parallel SDPA core attention (--context-parallel-size "
                     f"{args.context_parallel_size})")
         elif torch.cuda.is_available():
