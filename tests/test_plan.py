@@ -15,7 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_lrattn.analysis import plan as P
+from megatron_lrattn.analysis.plan import plan, recommend
+from megatron_lrattn.analysis.plan_layouts import Cluster, Layout, layouts, sequence_splits
+from megatron_lrattn.analysis.plan_model import (
+    CALIBRATION,
+    GIB,
+    RECOMPUTE_INPUTS,
+    USABLE_MEMORY,
+    _shape_costs,
+    predict,
+    preset_shape,
+)
 from megatron_lrattn.cli.plan import main
 from megatron_lrattn.training.arg_types import ArgumentError
 from megatron_lrattn.training.arguments import parse_args
@@ -24,22 +34,22 @@ PRESET_FILES = Path(__file__).resolve().parents[1] / "examples" / "presets"
 
 
 def _pred(name="1b", gbs=8, gpus=1, **layout):
-    shape = P.preset_shape(name)
+    shape = preset_shape(name)
     lay = dict(tp=1, pp=1, vpp=1, dp=gpus, micro_batch=8 // gpus if gbs == 8 else 1,
                distributed_optimizer=False)
     lay.update(layout)
-    return P.predict(shape, P.Layout(**lay), gbs, P.Cluster(gpus=gpus))
+    return predict(shape, Layout(**lay), gbs, Cluster(gpus=gpus))
 
 
 def test_calibration_points_are_reproduced():
     """The one-H200 standard steps the MFU curve is fitted to come back (optimizer time
     included), and lr_attnres costs its measured factor."""
-    for name, mbs, seq, tp, ms, _ in P.CALIBRATION:
-        shape = P.preset_shape(name, seq_length=seq, residual="standard")
-        got = P.predict(shape, P.Layout(tp, 1, 1, 1, mbs, False), mbs, P.Cluster())
+    for name, mbs, seq, tp, ms, _ in CALIBRATION:
+        shape = preset_shape(name, seq_length=seq, residual="standard")
+        got = predict(shape, Layout(tp, 1, 1, 1, mbs, False), mbs, Cluster())
         assert got.step_s * 1e3 == pytest.approx(ms, rel=1e-6)
-    std = P.predict(P.preset_shape("1b", residual="standard"), P.Layout(1, 1, 1, 1, 8, False),
-                    8, P.Cluster())
+    std = predict(preset_shape("1b", residual="standard"), Layout(1, 1, 1, 1, 8, False),
+                    8, Cluster())
     lr = _pred()
     assert 1.03 < lr.step_s / std.step_s < 1.06
 
@@ -63,8 +73,8 @@ def test_memory_model_parts():
     p = _pred(gbs=8, gpus=2, pp=2, dp=1, micro_batch=2)
     assert p.weights_gib < 0.6 * one.weights_gib and p.bubble_s > 0 and p.pp_comm_s > 0
     # standard residuals carry no depth state
-    s = P.predict(P.preset_shape("1b", residual="standard"), P.Layout(1, 1, 1, 1, 2, False), 8,
-                  P.Cluster())
+    s = predict(preset_shape("1b", residual="standard"), Layout(1, 1, 1, 1, 2, False), 8,
+                  Cluster())
     assert s.depth_state_gib == 0
 
 
@@ -76,13 +86,13 @@ def test_time_model_sanity():
     inter = _pred(gbs=64, gpus=8, pp=2, vpp=2, dp=4, micro_batch=1)
     assert few.bubble_s > many.bubble_s > inter.bubble_s > 0
     # overlap never makes the data-parallel reduce slower; a slower network makes it slower
-    off = P.predict(P.preset_shape("1b"), P.Layout(1, 1, 1, 8, 1, False, overlap=False), 64,
-                    P.Cluster(gpus=8))
+    off = predict(preset_shape("1b"), Layout(1, 1, 1, 8, 1, False, overlap=False), 64,
+                    Cluster(gpus=8))
     assert base.dp_comm_s <= off.dp_comm_s
-    nodes = P.Cluster(gpus=16, gpus_per_node=8)
-    slow = P.predict(P.preset_shape("1b"), P.Layout(1, 1, 1, 16, 1, False), 64, nodes)
-    slower = P.predict(P.preset_shape("1b"), P.Layout(1, 1, 1, 16, 1, False), 64,
-                       P.Cluster(gpus=16, gpus_per_node=8, inter_node_gbps=50))
+    nodes = Cluster(gpus=16, gpus_per_node=8)
+    slow = predict(preset_shape("1b"), Layout(1, 1, 1, 16, 1, False), 64, nodes)
+    slower = predict(preset_shape("1b"), Layout(1, 1, 1, 16, 1, False), 64,
+                       Cluster(gpus=16, gpus_per_node=8, inter_node_gbps=50))
     assert slower.dp_comm_s > slow.dp_comm_s
     # the step is the sum of its parts; tokens/s follows
     parts = (base.compute_s + base.optimizer_s + base.tp_comm_s + base.dp_comm_s
@@ -92,14 +102,14 @@ def test_time_model_sanity():
 
 
 def test_layouts_cover_the_gpus_and_divide_the_model():
-    shape = P.preset_shape("8b")
-    cluster = P.Cluster(gpus=64)
-    seen = list(P.layouts(shape, 256, cluster))
+    shape = preset_shape("8b")
+    cluster = Cluster(gpus=64)
+    seen = list(layouts(shape, 256, cluster))
     assert seen
     assert {lay.cp for lay in seen} == {1, 2, 4, 8, 16, 32, 64}
     for lay in seen:
         assert lay.tp * lay.cp * lay.pp * lay.dp == 64
-        assert P.sequence_splits(shape.seq_length, lay.tp, lay.cp)
+        assert sequence_splits(shape.seq_length, lay.tp, lay.cp)
         assert shape.num_layers % (lay.pp * lay.vpp) == 0
         assert 256 % (lay.micro_batch * lay.dp) == 0
         assert shape.num_query_groups % lay.tp == 0 and lay.tp <= 8
@@ -108,14 +118,14 @@ def test_layouts_cover_the_gpus_and_divide_the_model():
 @pytest.mark.parametrize("name,gpus,gbs", [("1b", 1, 8), ("4b", 1, 8), ("8b", 8, 64),
                                            ("8b", 64, 256), ("4b", 1024, 1024)])
 def test_recommendation_is_the_fastest_that_fits(name, gpus, gbs):
-    preds = P.plan(P.preset_shape(name), gbs, P.Cluster(gpus=gpus))
-    best = P.recommend(preds)
+    preds = plan(preset_shape(name), gbs, Cluster(gpus=gpus))
+    best = recommend(preds)
     assert best is not None and best.fits
-    assert best.memory_gib <= P.USABLE_MEMORY * 141.0
+    assert best.memory_gib <= USABLE_MEMORY * 141.0
     assert all(p.step_s >= best.step_s for p in preds if p.fits)
     # recomputation changes nothing where a layout fits without it
     assert best.recompute == "none"
-    assert P.recommend(P.plan(P.preset_shape(name), gbs, P.Cluster(gpus=gpus),
+    assert recommend(plan(preset_shape(name), gbs, Cluster(gpus=gpus),
                               recompute=False)) == best
 
 
@@ -138,12 +148,12 @@ def test_context_parallel_divides_the_per_token_memory():
 def test_context_parallel_kv_gather_cost():
     """The K/V all-gather (forward) and reduce-scatter (backward) appear only with CP > 1,
     grow with CP, follow the ring formula, and use the network once TP x CP spans nodes."""
-    shape = P.preset_shape("8b")
+    shape = preset_shape("8b")
     assert _pred("8b", gbs=8, gpus=8, micro_batch=1).cp_comm_s == 0
-    cluster = P.Cluster(gpus=16)
+    cluster = Cluster(gpus=16)
     times = []
     for cp in (1, 2, 4, 8, 16):
-        p = P.predict(shape, P.Layout(1, 1, 1, 16 // cp, 1, True, cp=cp), 16, cluster)
+        p = predict(shape, Layout(1, 1, 1, 16 // cp, 1, True, cp=cp), 16, cluster)
         times.append(p.cp_comm_s)
         parts = (p.compute_s + p.optimizer_s + p.tp_comm_s + p.cp_comm_s + p.dp_comm_s
                  + p.pp_comm_s + p.bubble_s)
@@ -152,23 +162,23 @@ def test_context_parallel_kv_gather_cost():
     # 2 (gather + reduce-scatter) x L layers x m micro-batches x (c-1)/c x K and V bytes / bw
     s, gk = shape.seq_length, shape.num_query_groups * shape.head_dim
     tp, cp, m = 2, 4, 2
-    got = P.predict(shape, P.Layout(tp, 1, 1, 1, 1, True, cp=cp), m, P.Cluster(gpus=8))
+    got = predict(shape, Layout(tp, 1, 1, 1, 1, True, cp=cp), m, Cluster(gpus=8))
     kv = 2 * s * gk / tp * 2
-    want = 2 * shape.num_layers * m * (cp - 1) / cp * kv / P.Cluster().bandwidth(8)
+    want = 2 * shape.num_layers * m * (cp - 1) / cp * kv / Cluster().bandwidth(8)
     assert got.cp_comm_s == pytest.approx(want)
     # TP=2 x CP=8 spans two nodes: the slower network carries the gather
-    wide = P.predict(shape, P.Layout(2, 1, 1, 1, 1, True, cp=8), m, P.Cluster(gpus=16))
+    wide = predict(shape, Layout(2, 1, 1, 1, 1, True, cp=8), m, Cluster(gpus=16))
     assert wide.cp_comm_s / got.cp_comm_s == pytest.approx(
-        (7 / 8) / (3 / 4) * P.Cluster().bandwidth(8) / P.Cluster().bandwidth(16))
+        (7 / 8) / (3 / 4) * Cluster().bandwidth(8) / Cluster().bandwidth(16))
 
 
 def test_layouts_whose_sequence_does_not_split_are_absent(capsys):
     """s must divide by 2 CP (by 2 TP CP with sequence parallelism, s by TP at CP = 1)."""
-    shape = P.preset_shape("1b", seq_length=4100)  # 4 x 1025
-    seen = {(lay.tp, lay.cp) for lay in P.layouts(shape, 64, P.Cluster(gpus=16))}
+    shape = preset_shape("1b", seq_length=4100)  # 4 x 1025
+    seen = {(lay.tp, lay.cp) for lay in layouts(shape, 64, Cluster(gpus=16))}
     assert seen == {(1, 1), (2, 1), (4, 1), (1, 2)}
     with pytest.raises(ValueError, match="does not split"):
-        P.predict(shape, P.Layout(2, 1, 1, 4, 1, False, cp=2), 64, P.Cluster(gpus=16))
+        predict(shape, Layout(2, 1, 1, 4, 1, False, cp=2), 64, Cluster(gpus=16))
     assert main(["--seq-length", "4100", "--gpus", "16", "--context-parallel-size", "4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lrattn-plan: error: --context-parallel-size 4") and err.count("\n") == 1
@@ -178,14 +188,14 @@ def test_long_sequence_needs_context_parallelism(capsys):
     """8b at 32k tokens on 64 GPUs of 32 GiB: without recomputation no CP = 1 layout fits; a
     CP layout does (and stays the recommendation with recomputation allowed); at CP = 1
     only recomputation makes a layout fit."""
-    shape = P.preset_shape("8b", seq_length=32768)
-    cluster = P.Cluster(gpus=64, gpu_memory_gib=32)
-    preds = P.plan(shape, 64, cluster, recompute=False)
+    shape = preset_shape("8b", seq_length=32768)
+    cluster = Cluster(gpus=64, gpu_memory_gib=32)
+    preds = plan(shape, 64, cluster, recompute=False)
     assert not [p for p in preds if p.layout.cp == 1 and p.fits]
-    best = P.recommend(preds)
+    best = recommend(preds)
     assert best is not None and best.layout.cp > 1 and best.cp_comm_s > 0
-    assert P.recommend(P.plan(shape, 64, cluster)) == best
-    only_cp1 = P.recommend(P.plan(shape, 64, cluster, context_parallel=[1]))
+    assert recommend(plan(shape, 64, cluster)) == best
+    only_cp1 = recommend(plan(shape, 64, cluster, context_parallel=[1]))
     assert only_cp1.layout.cp == 1 and only_cp1.recompute != "none"
     argv = ["--preset", "8b", "--seq-length", "32768", "--gpus", "64", "--global-batch-size",
             "64", "--gpu-memory-gib", "32"]
@@ -203,8 +213,8 @@ def test_long_sequence_needs_context_parallelism(capsys):
 
 
 def test_nothing_fits_on_a_small_gpu(capsys):
-    preds = P.plan(P.preset_shape("8b"), 8, P.Cluster(gpus=1, gpu_memory_gib=16))
-    assert preds and P.recommend(preds) is None
+    preds = plan(preset_shape("8b"), 8, Cluster(gpus=1, gpu_memory_gib=16))
+    assert preds and recommend(preds) is None
     # the JSON says why in one line, from the layout of least memory (with recomputation)
     assert main(["--preset", "8b", "--gpus", "1", "--gpu-memory-gib", "16",
                  "--global-batch-size", "8", "--json"]) == 0
@@ -224,16 +234,16 @@ def test_recompute_keeps_the_layer_inputs(residual):
     """Full recompute of every layer keeps RECOMPUTE_INPUTS [s, b, d] bf16 tensors per layer
     instead of its activations, plus one layer's activations rebuilt in the backward;
     block k keeps the activations of the other layers; nothing else changes."""
-    shape = P.preset_shape("1b", residual=residual)
-    lay = P.Layout(1, 1, 1, 1, 2, False)
-    none = P.predict(shape, lay, 8, P.Cluster())
+    shape = preset_shape("1b", residual=residual)
+    lay = Layout(1, 1, 1, 1, 2, False)
+    none = predict(shape, lay, 8, Cluster())
     full = none.activations_gib / 16  # one layer, one micro-batch
-    kept = P.RECOMPUTE_INPUTS[residual] * 2 * 2048 * 2 * 2048 / P.GIB
-    every = P.predict(shape, dataclasses.replace(lay, recompute_layers=16), 8, P.Cluster())
+    kept = RECOMPUTE_INPUTS[residual] * 2 * 2048 * 2 * 2048 / GIB
+    every = predict(shape, dataclasses.replace(lay, recompute_layers=16), 8, Cluster())
     assert every.recompute == "uniform"
     assert every.activations_gib == pytest.approx(16 * kept + full)
     assert every.activations_gib < none.activations_gib / 5
-    block = P.predict(shape, dataclasses.replace(lay, recompute_layers=5), 8, P.Cluster())
+    block = predict(shape, dataclasses.replace(lay, recompute_layers=5), 8, Cluster())
     assert block.recompute == "block"
     assert block.activations_gib == pytest.approx(11 * full + 5 * kept)
     for part in ("weights_gib", "grads_gib", "optimizer_gib", "depth_state_gib", "logits_gib",
@@ -241,9 +251,9 @@ def test_recompute_keeps_the_layer_inputs(residual):
         assert getattr(every, part) == getattr(none, part) == getattr(block, part), part
     # PP = 2: the first stage's 8 layers for 2 (1 + 1/2) = 3 micro-batches in flight keep
     # their inputs (micro-batch 1: half the tokens), one layer is rebuilt
-    pp = P.predict(shape, P.Layout(1, 2, 1, 1, 1, False, recompute_layers=8), 8,
-                   P.Cluster(gpus=2))
-    pp_none = P.predict(shape, P.Layout(1, 2, 1, 1, 1, False), 8, P.Cluster(gpus=2))
+    pp = predict(shape, Layout(1, 2, 1, 1, 1, False, recompute_layers=8), 8,
+                   Cluster(gpus=2))
+    pp_none = predict(shape, Layout(1, 2, 1, 1, 1, False), 8, Cluster(gpus=2))
     one = pp_none.activations_gib / (8 * 3)
     assert pp.activations_gib == pytest.approx(3 * 8 * kept / 2 + one)
 
@@ -252,13 +262,13 @@ def test_recompute_reruns_the_forward_of_the_recomputed_layers():
     """The rerun costs 1/3 of the recomputed layers' compute (x 4/3; the LM head is not
     rerun), their forward TP collectives (x 3/2 with every layer) and CP K/V gathers, and
     sits in the step and the bubble."""
-    shape = P.preset_shape("4b")
-    cluster = P.Cluster(gpus=16)
-    lay = P.Layout(2, 2, 1, 2, 1, True, cp=2)
-    none = P.predict(shape, lay, 64, cluster)
-    _, _, flops_token, _ = P._shape_costs(shape)
+    shape = preset_shape("4b")
+    cluster = Cluster(gpus=16)
+    lay = Layout(2, 2, 1, 2, 1, True, cp=2)
+    none = predict(shape, lay, 64, cluster)
+    _, _, flops_token, _ = _shape_costs(shape)
     layers = none.compute_s * (1 - 6 * shape.vocab_size * shape.hidden_size / flops_token)
-    every = P.predict(shape, dataclasses.replace(lay, recompute_layers=16), 64, cluster)
+    every = predict(shape, dataclasses.replace(lay, recompute_layers=16), 64, cluster)
     assert every.recompute_s == pytest.approx(layers / 3)
     assert (every.compute_s + every.recompute_s - none.compute_s) / layers == pytest.approx(1 / 3)
     assert every.tp_comm_s == pytest.approx(1.5 * none.tp_comm_s)
@@ -268,32 +278,32 @@ def test_recompute_reruns_the_forward_of_the_recomputed_layers():
              + every.cp_comm_s + every.dp_comm_s + every.pp_comm_s + every.bubble_s)
     assert every.step_s == pytest.approx(parts) and every.step_s > none.step_s
     # block k: k of the 16 layers of a chunk (8 of a virtual stage with V = 2)
-    half = P.predict(shape, dataclasses.replace(lay, recompute_layers=8), 64, cluster)
+    half = predict(shape, dataclasses.replace(lay, recompute_layers=8), 64, cluster)
     assert half.recompute_s == pytest.approx(every.recompute_s / 2)
-    inter = P.predict(shape, dataclasses.replace(lay, vpp=2, recompute_layers=8), 64, cluster)
+    inter = predict(shape, dataclasses.replace(lay, vpp=2, recompute_layers=8), 64, cluster)
     assert inter.recompute == "uniform" and inter.recompute_s == pytest.approx(
         every.recompute_s)
     with pytest.raises(ValueError, match="recompute_layers 9 is not in"):
-        P.predict(shape, dataclasses.replace(lay, vpp=2, recompute_layers=9), 64, cluster)
+        predict(shape, dataclasses.replace(lay, vpp=2, recompute_layers=9), 64, cluster)
 
 
 def test_only_recompute_makes_a_layout_fit(capsys):
     """4b on one 64 GiB GPU: no layout fits without recomputation (no TP, CP or PP on one
     GPU); with it the fewest recomputed layers that fit are recommended, and a recomputed
     row is listed only for a layout that does not fit without."""
-    shape = P.preset_shape("4b")
-    cluster = P.Cluster(gpus=1, gpu_memory_gib=64)
-    assert P.recommend(P.plan(shape, 8, cluster, recompute=False)) is None
-    preds = P.plan(shape, 8, cluster)
-    best = P.recommend(preds)
+    shape = preset_shape("4b")
+    cluster = Cluster(gpus=1, gpu_memory_gib=64)
+    assert recommend(plan(shape, 8, cluster, recompute=False)) is None
+    preds = plan(shape, 8, cluster)
+    best = recommend(preds)
     assert best is not None and best.recompute == "block" and best.recompute_s > 0
     fewer = dataclasses.replace(best.layout, recompute_layers=best.layout.recompute_layers - 1)
-    assert not P.predict(shape, fewer, 8, cluster).fits
+    assert not predict(shape, fewer, 8, cluster).fits
     plain = {p.layout for p in preds if p.recompute == "none"}
     for p in preds:
         if p.recompute != "none":
             assert dataclasses.replace(p.layout, recompute_layers=0) in plain
-            assert not P.predict(shape, dataclasses.replace(p.layout, recompute_layers=0), 8,
+            assert not predict(shape, dataclasses.replace(p.layout, recompute_layers=0), 8,
                                  cluster).fits
     assert main(["--preset", "4b", "--gpus", "1", "--gpu-memory-gib", "64",
                  "--global-batch-size", "8"]) == 0

@@ -4,7 +4,7 @@ For a preset or an ``lrattn-pretrain --config`` file (and model flags), a global
 a cluster, lists TP/CP/PP/VPP/DP layouts (CP: context parallelism, every power of two
 whose chunks split the sequence, or only ``--context-parallel-size``; a layout that does
 not fit is listed again with activation recomputation) with the predicted memory per GPU
-and step time of ``megatron_lrattn.analysis.plan``, recommends the fastest that fits and
+and step time of ``megatron_lrattn.analysis.plan_model``, recommends the fastest that fits and
 prints its memory and time breakdown. With ``--json`` it prints one JSON object:
 ``recommended`` (null when nothing fits) carries ``summary``, the layout in one line, and
 ``flags``, the ``lrattn-pretrain`` flags that realise it (``pretrain_flags``); ``reason``
@@ -27,15 +27,9 @@ import sys
 from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 from megatron_lrattn.analysis.flops import KEY_TYPES, RESIDUAL_MODES, FlopsConfigError
-from megatron_lrattn.analysis.plan import (
-    USABLE_MEMORY,
-    Cluster,
-    Prediction,
-    context_parallel_sizes,
-    plan,
-    preset_shape,
-    recommend,
-)
+from megatron_lrattn.analysis.plan import plan, recommend
+from megatron_lrattn.analysis.plan_layouts import Cluster, context_parallel_sizes
+from megatron_lrattn.analysis.plan_model import USABLE_MEMORY, Prediction, preset_shape
 from megatron_lrattn.cli.common import run_cli
 from megatron_lrattn.training.arg_types import ArgumentError
 from megatron_lrattn.training.presets import PRESETS
@@ -178,7 +172,7 @@ def pretrain_flags(p: Prediction, num_layers: int, global_batch: int,
     """The ``lrattn-pretrain`` flags that realise the layout of ``p``.
 
     Args:
-        p: a prediction of ``analysis.plan``.
+        p: a prediction of ``analysis.plan_model``.
         num_layers: L of the model planned.
         global_batch: the global batch planned.
         model_flags: model flags to repeat first (those given to ``lrattn-plan``).
