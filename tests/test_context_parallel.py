@@ -67,8 +67,11 @@ def _attention_worker(rank: int, world: int, port: int, heads: int, groups: int,
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,heads,groups", [(2, 4, 4), (2, 4, 2), (4, 2, 1)],
-                         ids=["cp2_mha", "cp2_gqa", "cp4_mqa"])
+@pytest.mark.parametrize("world,heads,groups", [
+    pytest.param(2, 4, 4, id="cp2_mha", marks=pytest.mark.slow),
+    pytest.param(2, 4, 2, id="cp2_gqa"),
+    pytest.param(4, 2, 1, id="cp4_mqa", marks=pytest.mark.slow),
+])
 def test_context_parallel_attention_equals_full_attention(world, heads, groups):
     """Each rank's output and its query, key and value gradients (keys and values
     gathered, their gradients reduce-scattered back) equal full causal attention's on the
