@@ -4,7 +4,6 @@ processes), the flag checks, and whole runs through the CLI against one process.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -150,12 +149,6 @@ LAYOUTS = {
                           ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "standard_cp2": (["--residual", "standard"], 2, ["--context-parallel-size", "2"]),
 }
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    env = os.environ.get("LRATTN_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("lrattn_cache")
 
 
 @pytest.fixture(scope="module")

@@ -76,12 +76,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    env = os.environ.get("LRATTN_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("lrattn_cache")
-
-
 @pytest.mark.parametrize("dp,distopt,flags,want", [
     (1, True, {}, (False, False)),
     (2, False, {}, (True, False)),

@@ -341,14 +341,6 @@ def test_pretrain_cli_tp2_pp2_vp2_dp2_distributed_optimizer_follows_one_process(
                   tmp_path / "refused.jsonl", data_cache)
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    """The default-data cache: ``$LRATTN_CACHE`` when set (shared across runs), else one
-    folder for this module."""
-    env = os.environ.get("LRATTN_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("lrattn_cache")
-
-
 @pytest.mark.slow
 def test_pretrain_cli_tp2_and_pp2_match_one_process(tmp_path, data_cache):
     """``lrattn-pretrain`` under torchrun: TP=2 and PP=2 from scratch follow the 1-process

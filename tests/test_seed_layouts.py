@@ -10,7 +10,6 @@ within 1e-6 relative over 4 steps.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -163,13 +162,6 @@ def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> dict:
     rows = pretrain_rows(nproc, CLI + extra, log, cache_dir)
     return {"valid": [r["loss"] for r in rows if r["type"] == "valid"],
             "train": [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]}
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    """The default-data cache: ``$LRATTN_CACHE`` when set, else one folder for this module."""
-    env = os.environ.get("LRATTN_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("lrattn_cache")
 
 
 @pytest.fixture(scope="module")
