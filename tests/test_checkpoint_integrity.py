@@ -330,3 +330,32 @@ def test_a_real_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(small_disk
     assert "\n" not in message and "iter_0000001.tmp: checkpoint save failed (" in message
     assert "no earlier checkpoint" in message
     assert os.listdir(small_disk) == []
+
+
+@pytest.mark.slow
+def test_resume_with_other_settings_is_one_line_through_the_cli(tmp_path):
+    """``lrattn-pretrain --load`` of a checkpoint made with another vocabulary or FFN width
+    stops before any tensor is read, in one line naming the setting and both values, and
+    leaves the checkpoint as it was."""
+    from helpers import cli_env
+
+    base = [sys.executable, "-m", "megatron_lrattn.cli.pretrain", "--preset", "tiny",
+            "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-interval", "1000",
+            "--eval-iters", "1", "--no-progress", "--mock-data", "--micro-batch-size", "4",
+            "--global-batch-size", "4", "--cache-dir", str(tmp_path / "cache")]
+    env = cli_env(tmp_path / "cache")
+    ckpt = tmp_path / "A"
+    made = subprocess.run(base + ["--vocab-size", "4096", "--save", str(ckpt)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    for flags, needle in ((["--vocab-size", "8192"], "vocab_size: saved 4096, requested 8192"),
+                          (["--vocab-size", "4096", "--ffn-hidden-size", "256"],
+                           "ffn_hidden_size: saved 352, requested 256")):
+        run = subprocess.run(base + ["--train-iters", "3", "--load", str(ckpt), "--save",
+                                     str(ckpt)] + flags,
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 2 and "Traceback" not in run.stdout + run.stderr
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.startswith("lrattn-pretrain: error: ") and needle in last, last
+        assert sorted(p.name for p in ckpt.rglob("*")) == before
