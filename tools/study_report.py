@@ -1,9 +1,11 @@
 """Summarise a quality study: final validation loss per arm (mean, sd, every seed), loss
-curves, and the ordering of the arms.
+curves, and the ordering of the arms; for a learning-rate sweep, the loss per arm and LR
+and each arm's best LR.
 
-Reads ``<dir>/<arm>_seed<k>.jsonl`` (``lrattn-pretrain --log-json`` files, as written by
-``tools/gpu_box/run.sh study``) and writes ``study.json``, ``study_table.md`` and
-``study_curves.png`` to ``--out``.
+Reads ``<dir>/<arm>_seed<k>.jsonl`` or ``<dir>/<arm>_lr<LR>_seed<k>.jsonl``
+(``lrattn-pretrain --log-json`` files, as written by ``tools/gpu_box/run.sh study``) and
+writes ``study.json``, ``study_table.md``, ``study_sweep.md`` (runs with an LR in their
+name) and ``study_curves.png`` to ``--out``.
 
     python tools/study_report.py benchmarks/results/study_2026-11-30 --out docs
 """
@@ -24,23 +26,38 @@ LABELS = {
     "lr_sliced": "LR-AttnRes sliced (r=d/4, N=8)",
     "lr_projected": "LR-AttnRes projected (r=32, N=8)",
 }
-_NAME = re.compile(r"^(?P<arm>.+)_seed(?P<seed>\d+)\.jsonl$")
+_NAME = re.compile(r"^(?P<arm>.+?)(?:_lr(?P<lr>[0-9.]+(?:e-?\d+)?))?_seed(?P<seed>\d+)\.jsonl$")
 
 
 def load_runs(folder: Path) -> Dict[str, Dict[int, List[dict]]]:
-    """``{arm: {seed: rows}}`` of every ``<arm>_seed<k>.jsonl`` in ``folder``."""
+    """``{arm: {seed: rows}}`` of every ``<arm>[_lr<LR>]_seed<k>.jsonl`` in ``folder``; a
+    run with an LR is the arm ``<arm>_lr<LR>``."""
     runs: Dict[str, Dict[int, List[dict]]] = {}
     for path in sorted(folder.glob("*_seed*.jsonl")):
         m = _NAME.match(path.name)
         if not m:
             continue
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        runs.setdefault(m["arm"], {})[int(m["seed"])] = rows
+        arm = m["arm"] + (f"_lr{m['lr']}" if m["lr"] else "")
+        runs.setdefault(arm, {})[int(m["seed"])] = rows
     return runs
 
 
+def split_lr(arm: str) -> tuple:
+    """``("lr_sliced_lr2e-3")`` -> ``("lr_sliced", "2e-3")``; ``(arm, None)`` without an LR."""
+    m = re.fullmatch(r"(?P<base>.+?)_lr(?P<lr>[0-9.]+(?:e-?\d+)?)", arm)
+    return (m["base"], m["lr"]) if m else (arm, None)
+
+
 def arm_label(arm: str, seeds: Dict[int, List[dict]]) -> str:
-    """A label from the runs' own ``run`` record (residual, key, rank, N), else the name."""
+    """A label from the runs' own ``run`` record (residual, key, rank, N), else the name;
+    ``, LR x`` appended for a sweep run."""
+    base, lr = split_lr(arm)
+    label = _base_label(base, seeds)
+    return f"{label}, LR {lr}" if lr else label
+
+
+def _base_label(arm: str, seeds: Dict[int, List[dict]]) -> str:
     for rows in seeds.values():
         run = next((r for r in rows if r.get("type") == "run"), None)
         if run and run.get("residual") == "standard":
@@ -53,10 +70,16 @@ def arm_label(arm: str, seeds: Dict[int, List[dict]]) -> str:
     return LABELS.get(arm, arm)
 
 
+def _order(arm: str) -> tuple:
+    base, lr = split_lr(arm)
+    return (ARM_ORDER.index(base) if base in ARM_ORDER else 99, base,
+            float(lr) if lr else 0.0)
+
+
 def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
     """Final validation loss of every run and mean / sd per arm (sd over seeds, n - 1)."""
     arms = {}
-    for arm in sorted(runs, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else 99, a)):
+    for arm in sorted(runs, key=_order):
         finals, iters, tokens = {}, {}, {}
         for seed, rows in sorted(runs[arm].items()):
             valid = [r for r in rows if r.get("type") == "valid"]
@@ -77,7 +100,34 @@ def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
             "n": len(vals),
         }
     ranked = sorted((a for a in arms if arms[a]["mean"] is not None), key=lambda a: arms[a]["mean"])
-    return {"arms": arms, "ranking_by_mean": ranked}
+    sweep: Dict[str, dict] = {}
+    for arm, info in arms.items():
+        base, lr = split_lr(arm)
+        if lr is not None and info["mean"] is not None:
+            sweep.setdefault(base, {"losses": {}})["losses"][lr] = info["mean"]
+    for entry in sweep.values():
+        entry["best_lr"] = min(entry["losses"], key=entry["losses"].get)
+    return {"arms": arms, "ranking_by_mean": ranked, "sweep": sweep}
+
+
+def sweep_table(summary: dict) -> str:
+    """Markdown table of a learning-rate sweep: final validation loss (mean over seeds) per
+    arm and LR, the arm's best LR in bold; empty without sweep runs."""
+    sweep = summary["sweep"]
+    if not sweep:
+        return ""
+    lrs = sorted({lr for e in sweep.values() for lr in e["losses"]}, key=float)
+    lines = ["| arm | " + " | ".join(f"LR {lr}" for lr in lrs) + " | best LR |",
+             "|---" * (len(lrs) + 2) + "|"]
+    for base, entry in sweep.items():
+        cells = []
+        for lr in lrs:
+            loss = entry["losses"].get(lr)
+            cell = "-" if loss is None else f"{loss:.4f}"
+            cells.append(f"**{cell}**" if lr == entry["best_lr"] else cell)
+        label = LABELS.get(base, base)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {entry['best_lr']} |")
+    return "\n".join(lines)
 
 
 def table(summary: dict) -> str:
@@ -157,6 +207,10 @@ def main(argv=None) -> int:
     text = table(summary)
     (out / "study_table.md").write_text(text + "\n")
     print(text)
+    sweep = sweep_table(summary)
+    if sweep:
+        (out / "study_sweep.md").write_text(sweep + "\n")
+        print(sweep)
     print("ranking by mean final validation loss (best first):",
           " < ".join(summary["arms"][a]["label"] for a in summary["ranking_by_mean"]))
     if plot(runs, summary, out / "study_curves.png"):

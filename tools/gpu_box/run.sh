@@ -187,10 +187,65 @@ suite_parallel() {  # loss curves of TP=2 and PP=2 against one GPU, from one che
     rm -rf "$ck"
 }
 
-suite_study() {  # four arms x SEEDS seeds of PRESET on every visible GPU at once
+suite_study() {  # ARMS x LRS x SEEDS of PRESET on every visible GPU at once
     local seeds=${SEEDS:-"1 2 3"} iters=${ITERS:-500} preset=${PRESET:-study-25m}
-    local slots=$((NGPU > 0 ? NGPU : 1)) tok prefix seed arm i=0 fail=0 p
+    local arms=${ARMS:-standard attnres lr_sliced lr_projected} lrs=${LRS:-preset}
+    local slots=$((NGPU > 0 ? NGPU : 1)) tok prefix seed arm lr name i=0 fail=0 p pids=()
     mkdir -p "$OUT/study" /tmp/study
+    declare -A flags=(
+        [standard]="--residual standard"
+        [attnres]="--residual attnres --num-blocks 8"
+        [lr_sliced]="--residual lr_attnres --key sliced --rank 128 --num-blocks 8"
+        [lr_projected]="--residual lr_attnres --key projected --rank 32 --num-blocks 8")
+    for arm in $arms; do
+        [ -n "${flags[$arm]:-}" ] || { log "study: unknown arm $arm (standard attnres lr_sliced lr_projected)"; return 2; }
+    done
+    case ${CORPUS:-code} in
+    code) study_code_data ;;
+    prose) study_prose_data || return 2 ;;
+    *) log "study: unknown CORPUS=$CORPUS (code or prose)"; return 2 ;;
+    esac
+    log "study: corpus ${CORPUS:-code}, $preset, $iters iterations, arms $arms, LRs $lrs, seeds $seeds"
+    for seed in $seeds; do
+        for lr in $lrs; do
+            for arm in $arms; do
+                # LRS="1e-3 2e-3 ...": a sweep, each run at --lr LR --min-lr LR/10, named
+                # <arm>_lr<LR>; no checkpoints. Otherwise the preset's LR, seed 1 saved.
+                local save=() lrflags=()
+                name=$arm
+                if [ "$lr" != preset ]; then
+                    lrflags=(--lr "$lr" --min-lr "$(python3 -c "print(float('$lr') / 10)")")
+                    name=${arm}_lr$lr
+                elif [ "$seed" = 1 ] && [ "$arm" != standard ]; then
+                    save=(--save "/tmp/study/ckpt_$arm")
+                fi
+                # shellcheck disable=SC2086
+                CUDA_VISIBLE_DEVICES=$((i % slots)) OMP_NUM_THREADS=2 pretrain --preset "$preset" \
+                    ${flags[$arm]} "${lrflags[@]}" --seed "$seed" --train-iters "$iters" \
+                    --data-path "$prefix" --tokenizer-model "$tok" --split 98,2,0 "${save[@]}" \
+                    --depth-schedule "${SCHEDULE:-per_site}" \
+                    --log-json "$OUT/study/${name}_seed$seed.jsonl" \
+                    >"/tmp/study/${name}_seed$seed.out" 2>&1 &
+                pids+=($!) i=$((i + 1))
+                while [ "$(jobs -rp | wc -l)" -ge $((${PER_GPU:-6} * slots)) ]; do sleep 2; done
+            done
+        done
+    done
+    for p in "${pids[@]}"; do wait "$p" || fail=$((fail + 1)); done
+    log "training done, failed runs: $fail"
+    if [ "$fail" -ne 0 ]; then
+        status=1
+        for p in /tmp/study/*.out; do log "== last lines of $p"; tail -3 "$p" | tee -a "$OUT/log"; done
+    fi
+    for arm in attnres lr_sliced lr_projected; do
+        [ -d "/tmp/study/ckpt_$arm" ] && step "lrattn-analyze $arm (seed 1)" 300 \
+            python3 -m megatron_lrattn.cli.analyze "/tmp/study/ckpt_$arm" \
+            --out "$OUT/study/analyze_$arm" --num-batches 4 --no-progress
+    done
+    step "study report" 120 python3 tools/study_report.py "$OUT/study" --out "$OUT/study"
+}
+
+study_code_data() {  # sets tok and prefix: the box's own .py files, the embedded tokenizer
     tok=$(default_data)
     # the box's own .py files (standard library and site-packages): the largest real text there
     CORPUS_MB="${CORPUS_MB:-}" python3 - <<'PY' 2>&1 | tee -a "$OUT/log"
@@ -207,36 +262,26 @@ PY
         --input /tmp/study/stdlib.jsonl /tmp/study/site.jsonl --output-prefix /tmp/study/pycode \
         --tokenizer "$tok" --workers 24 --no-progress
     prefix=$(ls /tmp/study/pycode*.bin | head -1); prefix=${prefix%.bin}
-    declare -A flags=(
-        [standard]="--residual standard"
-        [attnres]="--residual attnres --num-blocks 8"
-        [lr_sliced]="--residual lr_attnres --key sliced --rank 128 --num-blocks 8"
-        [lr_projected]="--residual lr_attnres --key projected --rank 32 --num-blocks 8")
-    local pids=()
-    for seed in $seeds; do
-        for arm in standard attnres lr_sliced lr_projected; do
-            local save=()
-            [ "$seed" = 1 ] && [ "$arm" != standard ] && save=(--save "/tmp/study/ckpt_$arm")
-            # shellcheck disable=SC2086
-            CUDA_VISIBLE_DEVICES=$((i % slots)) OMP_NUM_THREADS=2 pretrain --preset "$preset" \
-                ${flags[$arm]} --seed "$seed" --train-iters "$iters" --data-path "$prefix" \
-                --tokenizer-model "$tok" --split 98,2,0 "${save[@]}" \
-                --depth-schedule "${SCHEDULE:-per_site}" \
-                --log-json "$OUT/study/${arm}_seed$seed.jsonl" \
-                >"/tmp/study/${arm}_seed$seed.out" 2>&1 &
-            pids+=($!) i=$((i + 1))
-            while [ "$(jobs -rp | wc -l)" -ge $((${PER_GPU:-6} * slots)) ]; do sleep 2; done
-        done
-    done
-    for p in "${pids[@]}"; do wait "$p" || fail=$((fail + 1)); done
-    log "training done, failed runs: $fail"
-    [ "$fail" -eq 0 ] || status=1
-    for arm in attnres lr_sliced lr_projected; do
-        [ -d "/tmp/study/ckpt_$arm" ] && step "lrattn-analyze $arm (seed 1)" 300 \
-            python3 -m megatron_lrattn.cli.analyze "/tmp/study/ckpt_$arm" \
-            --out "$OUT/study/analyze_$arm" --num-batches 4 --no-progress
-    done
-    step "study report" 120 python3 tools/study_report.py "$OUT/study" --out "$OUT/study"
+}
+
+study_prose_data() {  # sets tok and prefix: PROSE_DIR from tools/build_prose_corpus.py
+    local dir=${PROSE_DIR:-data/prose} want have
+    if [ ! -f "$dir/prose.jsonl.gz" ] || [ ! -f "$dir/tokenizer/tokenizer.json" ] \
+        || [ ! -f "$dir/manifest.json" ]; then
+        log "study: $dir needs prose.jsonl.gz, tokenizer/ and manifest.json (tools/build_prose_corpus.py)"
+        return 2
+    fi
+    want=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['output']['gz_sha256'])" \
+        "$dir/manifest.json")
+    have=$(sha256sum "$dir/prose.jsonl.gz" | cut -d' ' -f1)
+    [ "$want" = "$have" ] || { log "study: $dir/prose.jsonl.gz sha256 $have, manifest $want"; return 2; }
+    log "corpus prose: $dir/prose.jsonl.gz, sha256 $have, $(du -h "$dir/prose.jsonl.gz" | cut -f1)"
+    tok=$dir/tokenizer
+    step "lrattn-preprocess the prose corpus" 600 python3 -m megatron_lrattn.cli.preprocess \
+        --input "$dir/prose.jsonl.gz" --output-prefix /tmp/study/prose --tokenizer "$tok" \
+        --workers "${WORKERS:-14}" --no-progress
+    prefix=/tmp/study/prose_text_document
+    [ -f "$prefix.bin" ] || { log "study: preprocessing wrote no $prefix.bin"; return 2; }
 }
 
 te_carry() {  # NN: keep piece NN of the TE core wheel in /tmp/te_chunks (outlives the call)

@@ -1,0 +1,256 @@
+"""The prose corpus builder (tools/build_prose_corpus.py) on small synthetic inputs: markup
+is stripped, non-prose and duplicates are removed, the same packages give the same digest,
+the output is what lrattn-preprocess reads, and bad flags are one-line errors. Also the
+study's prose and learning-rate sweep knobs (tools/gpu_box/run.sh, tools/study_report.py)."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "build_prose_corpus.py"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bpc = _load("build_prose_corpus", TOOL)
+report = _load("study_report", ROOT / "tools" / "study_report.py")
+
+PROSE = ("The package manager keeps a list of the available packages and fetches each one "
+         "from the archive when it is needed. It checks every file against the signed index, "
+         "so a corrupted download is refused before anything is installed.")
+PROSE2 = ("A manual page describes one command or one function. Its sections follow a fixed "
+          "order, and the description explains in full sentences what the program does and "
+          "which files it reads when it starts.")
+PROSE4 = ("Each chapter ends with a short summary. The summary repeats the commands that were "
+          "introduced, says when to use each of them, and points to the page that explains "
+          "the options in more detail.")
+PROSE5 = ("A program that runs for a long time should write its progress to the terminal, so "
+          "that the person who started it can tell whether it is still working or has stopped "
+          "on an error.")
+PROSE6 = ("The archive keeps older releases for a while. When a release is retired, its packages "
+          "move to a separate server, where they stay available for anyone who still needs to "
+          "rebuild an old system.")
+PROSE3 = ("Nothing in this chapter depends on the previous one. The reader who knows the shell "
+          "may skip ahead, while a newcomer should try each example in a terminal and compare "
+          "the output with the text.")
+
+
+def test_roff_is_stripped_and_no_fill_blocks_dropped():
+    page = "\n".join([
+        '.\\" a comment', ".TH LS 1 2024", ".SH NAME", "ls \\- list directory contents",
+        ".SH DESCRIPTION", ".B ls", "lists the files of a folder in \\fBalphabetical\\fR order,",
+        "one \\(em or more \\(lqper line\\(rq.", ".PP", ".nf", "int main(void) { return 0; }",
+        ".fi", ".TS", "tab(;); l l.", "a;b", ".TE", "Another paragraph\\-with a dash."])
+    paras = bpc.roff_paragraphs(page)
+    joined = "\n".join(paras)
+    assert "ls lists the files of a folder in alphabetical order, one \u2014 or more " \
+           "\u201cper line\u201d." in paras
+    assert "Another paragraph-with a dash." in paras
+    for leftover in ("\\f", ".TH", "comment", "int main", "tab(;)", "a;b"):
+        assert leftover not in joined
+    assert bpc.roff_paragraphs(".so man1/other.1\n") == []
+
+
+def test_html_keeps_prose_and_drops_code_tables_and_navigation():
+    page = f"""<html class="sidebar-visible"><head><title>T</title></head><body>
+    <nav>Home | Next | Prev</nav><div class="sphinxsidebar"><p>{PROSE2}</p></div>
+    <h1>Title<a class="headerlink" href="#">\u00b6</a></h1><p>{PROSE}</p>
+    <pre>for x in range(10): print(x)</pre><div class="highlight-python"><pre>a = 1</pre></div>
+    <table><tr><td>cell one</td></tr></table><ul><li>{PROSE3}</li></ul></body></html>"""
+    paras = [bpc.normalise(p) for p in bpc.html_paragraphs(page)]
+    paras = [p for p in paras if p]
+    assert paras == ["Title", PROSE, PROSE3]
+
+
+def test_pod_and_info_keep_text_and_drop_code():
+    pod = (f"=head1 NAME\n\nperlfoo - a page\n\n=head1 DESCRIPTION\n\nUse C<print> and "
+           f"L<the manual|perlfunc> with E<lt>angle E<gt> brackets.\n\n    my $x = 1;\n\n"
+           f"=begin html\n\n<p>raw</p>\n\n=end html\n\n=cut\n\nsub code {{ 1 }}\n")
+    assert bpc.pod_paragraphs(pod) == [
+        "NAME", "perlfoo - a page", "DESCRIPTION",
+        "Use print and the manual with <angle > brackets."]
+    info = ("\x1f\nFile: r.info, Node: Intro, Next: Two\n\n1 Intro\n*******\n\n"
+            f"{PROSE}\n\n     x <- c(1, 2)\n     y <- x\n\n* Menu:\n\n* Two::  the next\n"
+            "\x1f\nTag Table:\nNode: Intro\x7f1\n")
+    assert bpc.info_paragraphs(info) == ["1 Intro", PROSE]
+
+
+@pytest.mark.parametrize("text, verdict", [
+    (PROSE, None),
+    ("The APT and DPKG tools install packages from the Debian archive.", None),
+    ("Installation", "too_short"),
+    ("for (int i = 0; i < n; ++i) { sum += a[i]; } return sum; // $x @y", "code_symbols"),
+    ("0x1f 0x2e 0x3d 0x4c 0x5b 0x6a 0x79 0x88 0x97 0xa6 stop.", "not_words"),
+    ("the option that sets the size of the buffer used for reading", "no_sentence"),
+    ("WARNING THIS PROGRAM DELETES ALL THE FILES IN THE FOLDER NOW.", "upper_case"),
+])
+def test_paragraph_rules(text, verdict):
+    assert bpc.paragraph_verdict(text) == verdict
+
+
+def test_boilerplate_duplicates_and_short_documents_are_removed():
+    licence = ("This page is part of the documentation project and may be copied under the "
+               "terms of its licence, which is shipped with every copy.")
+    docs = [
+        ("a", "one.html", [PROSE, PROSE2, PROSE3, PROSE4, licence]),
+        ("a", "two.html", [PROSE2, PROSE, PROSE3, licence]),            # contained in one
+        ("a", "three.html", [PROSE, PROSE2, PROSE3, PROSE4, licence]),  # exact duplicate
+        ("b", "five.html", [PROSE5, PROSE4 + " " + PROSE, licence]),    # two thirds shared
+        ("b", "short.html", [PROSE5, licence]),                        # too short
+    ]
+    counts = Counter()
+    kept = bpc.clean_documents(docs, counts)
+    assert [(s, p) for s, p, _ in kept] == [("a", "one.html"), ("b", "five.html")]
+    assert counts["exact_duplicate"] == 1
+    assert counts["boilerplate_paragraphs"] == 4      # the licence, in four distinct documents
+    assert counts["too_short"] == 1 and counts["near_duplicate"] == 1
+    assert kept[0][2] == "\n\n".join([PROSE, PROSE2, PROSE3, PROSE4])
+
+
+def _ar(members: dict[str, bytes]) -> bytes:
+    out = [b"!<arch>\n"]
+    for name, body in members.items():
+        head = f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(body):<10}`\n"
+        out += [head.encode(), body, b"\n" if len(body) % 2 else b""]
+    return b"".join(out)
+
+
+def _fixture_deb(path: Path) -> None:
+    files = {
+        "usr/share/doc/demo/html/a.html": f"<html><body><p>{PROSE}</p><p>{PROSE2}</p>"
+                                          f"<p>{PROSE3}</p><pre>x = 1</pre></body></html>",
+        "usr/share/doc/demo/html/b.html": f"<html><body><p>{PROSE3}</p><p>{PROSE}</p>"
+                                          f"<p>{PROSE2}</p></body></html>",
+        "usr/share/doc/demo/html/genindex.html": f"<p>{PROSE}</p>",
+        "usr/share/man/man1/demo.1.gz": gzip.compress(
+            f".TH DEMO 1\n.SH DESCRIPTION\n\\fBdemo\\fR {PROSE4}\n.PP\n{PROSE5}\n.PP\n{PROSE6}\n"
+            .encode(),
+            mtime=0),
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        for name, body in sorted(files.items()):
+            data = body.encode() if isinstance(body, str) else body
+            info = tarfile.TarInfo("./" + name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(_ar({"debian-binary": b"2.0\n", "data.tar.xz": buf.getvalue()}))
+
+
+DEMO = bpc.Source("demo", "1:1.0-1", None, "public domain",
+                  (("usr/share/doc/demo/html/*.html", "html"), ("usr/share/man/man*.gz", "roff")),
+                  ("*/genindex.html",))
+
+
+def test_same_package_same_digest_and_preprocess_reads_it(tmp_path):
+    debs = tmp_path / "debs"
+    debs.mkdir()
+    _fixture_deb(debs / "demo_1%3a1.0-1_all.deb")
+    first = bpc.build([DEMO], debs, tmp_path / "one", download=False)
+    second = bpc.build([DEMO], debs, tmp_path / "two", download=False)
+    assert first == second
+    out = first["output"]
+    assert out["documents"] == 2 and first["filters"]["documents"]["near_duplicate"] == 1
+    assert first["sources"]["demo"]["files_read"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "one" / "prose.jsonl").open()]
+    html, man = (r["path"] for r in rows)      # a.html and b.html: one near-duplicate kept
+    assert html.endswith(("/a.html", "/b.html")) and man == "usr/share/man/man1/demo.1.gz"
+    assert rows[1]["text"].startswith("demo " + PROSE4[:20])
+    assert all(set(r) == {"text", "source", "path"} for r in rows)
+    assert (tmp_path / "one" / "prose.jsonl.gz").read_bytes() == \
+        (tmp_path / "two" / "prose.jsonl.gz").read_bytes()
+
+    from megatron_lrattn.data.preprocess import preprocess
+    from megatron_lrattn.data.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer([r["text"] for r in rows], tmp_path / "tok", 300)
+    stats = preprocess(tmp_path / "one" / "prose.jsonl.gz", tmp_path / "ds", tmp_path / "tok")
+    assert stats.documents == 2 and stats.tokens > 100
+
+
+def test_pinned_digest_is_checked(tmp_path):
+    _fixture_deb(tmp_path / "demo_1.0-1_all.deb")
+    pinned = bpc.Source("demo", "1:1.0-1", "0" * 64, "x", DEMO.include)
+    with pytest.raises(bpc.BuildError, match="differs from the pinned"):
+        bpc.fetch(pinned, tmp_path, download=False)
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vocab-size", "-3"], "must be >= 0"),
+    (["--vocab-size", "lots"], "expected an integer"),
+    (["--vocab-size", "100"], "--vocab-size must be 0 or >= 258"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--sources", "nonesuch,maint-guide"], "unknown source(s) nonesuch"),
+    (["--sources", ","], "unknown source(s) (none given)"),
+    (["--no-download", "--debs", "/nonexistent/debs"], "is not a folder"),
+    (["--no-download", "--sources", "maint-guide", "--debs", "{tmp}"], "no maint-guide"),
+    (["--out", "{file}"], "is not a folder"),
+])
+def test_cli_bad_flags_are_one_line_errors(tmp_path, args, message):
+    (tmp_path / "file").write_text("x")
+    args = [a.format(tmp=tmp_path, file=tmp_path / "file") for a in args]
+    proc = _cli(*args, "--out" if "--out" not in args else "--no-progress",
+                *([str(tmp_path / "out")] if "--out" not in args else []))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("build_prose_corpus: error: ") and message in last, last
+
+
+def test_list_names_every_source_with_version_and_licence():
+    proc = _cli("--list")
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(bpc.SOURCES) and "maint-guide=1.2.53\tGPL-2+" in lines
+
+
+def _run_sh(tmp_path, **env):
+    full = dict(os.environ, NO_WHEEL="1", OUT=str(tmp_path / "out"), GIT_SHA="test", **env)
+    return subprocess.run(["bash", str(ROOT / "tools" / "gpu_box" / "run.sh"), "study"],
+                          cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
+
+
+def test_study_refuses_a_missing_prose_folder_and_an_unknown_arm(tmp_path):
+    proc = _run_sh(tmp_path, CORPUS="prose", PROSE_DIR=str(tmp_path / "none"))
+    assert proc.returncode == 2
+    assert "needs prose.jsonl.gz, tokenizer/ and manifest.json" in proc.stdout
+    proc = _run_sh(tmp_path, CORPUS="prose", ARMS="standard bogus")
+    assert proc.returncode == 2 and "unknown arm bogus" in proc.stdout
+
+
+def test_study_report_reads_a_learning_rate_sweep(tmp_path):
+    for arm, losses in {"standard": {"1e-3": 3.1, "2e-3": 3.0, "4e-3": 3.2},
+                        "lr_sliced": {"1e-3": 2.9, "2e-3": 2.95, "4e-3": 3.3}}.items():
+        for lr, loss in losses.items():
+            rows = [{"type": "train", "iteration": 10, "loss": loss + 0.1, "consumed_samples": 8},
+                    {"type": "valid", "iteration": 10, "loss": loss}]
+            (tmp_path / f"{arm}_lr{lr}_seed1.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows))
+    summary = report.summarise(report.load_runs(tmp_path))
+    assert summary["sweep"]["standard"]["best_lr"] == "2e-3"
+    assert summary["sweep"]["lr_sliced"]["best_lr"] == "1e-3"
+    assert list(summary["arms"])[:3] == ["standard_lr1e-3", "standard_lr2e-3", "standard_lr4e-3"]
+    table = report.sweep_table(summary)
+    assert "| standard residual | 3.1000 | **3.0000** | 3.2000 | 2e-3 |" in table
