@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     if args.deterministic:
         enable_deterministic()
     rt = init_runtime(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                      args.seed, vp=virtual_stages(args), cp=cp)
+                      args.seed, vp=virtual_stages(args), cp=args.context_parallel_size)
     try:
         cuda = torch.cuda.is_available()
         vocab = padded_vocab_size(args.vocab_size, rt.tp)
