@@ -1,11 +1,11 @@
-"""The prose corpus builder (tools/build_prose_corpus.py) on small synthetic inputs: markup
-is stripped, non-prose and duplicates are removed, the same packages give the same digest,
-the output is what lrattn-preprocess reads, and bad flags are one-line errors. Also the
-study's prose and learning-rate sweep knobs (tools/gpu_box/run.sh, tools/study_report.py)."""
+"""The prose corpus builder (tools/build_prose_corpus.py and tools/prose_corpus/) on small
+synthetic inputs: markup is stripped, non-prose and duplicates are removed, the same packages
+give the same digest, the output is what lrattn-preprocess reads, and bad flags are one-line
+errors. Also the study's prose and learning-rate sweep knobs (tools/gpu_box/run.sh,
+tools/study_report.py)."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import io
 import json
 import os
@@ -20,17 +20,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "build_prose_corpus.py"
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bpc = _load("build_prose_corpus", TOOL)
-report = _load("study_report", ROOT / "tools" / "study_report.py")
+sys.path.insert(0, str(ROOT / "tools"))
+import study_report as report  # noqa: E402
+from build_prose_corpus import build, fetch  # noqa: E402
+from prose_corpus.clean import clean_documents, normalise, paragraph_verdict  # noqa: E402
+from prose_corpus.convert import (BuildError, html_paragraphs, info_paragraphs,  # noqa: E402
+                                  pod_paragraphs, roff_paragraphs)
+from prose_corpus.sources import SOURCES, Source  # noqa: E402
 
 PROSE = ("The package manager keeps a list of the available packages and fetches each one "
          "from the archive when it is needed. It checks every file against the signed index, "
@@ -58,14 +54,14 @@ def test_roff_is_stripped_and_no_fill_blocks_dropped():
         ".SH DESCRIPTION", ".B ls", "lists the files of a folder in \\fBalphabetical\\fR order,",
         "one \\(em or more \\(lqper line\\(rq.", ".PP", ".nf", "int main(void) { return 0; }",
         ".fi", ".TS", "tab(;); l l.", "a;b", ".TE", "Another paragraph\\-with a dash."])
-    paras = bpc.roff_paragraphs(page)
+    paras = roff_paragraphs(page)
     joined = "\n".join(paras)
     assert "ls lists the files of a folder in alphabetical order, one \u2014 or more " \
            "\u201cper line\u201d." in paras
     assert "Another paragraph-with a dash." in paras
     for leftover in ("\\f", ".TH", "comment", "int main", "tab(;)", "a;b"):
         assert leftover not in joined
-    assert bpc.roff_paragraphs(".so man1/other.1\n") == []
+    assert roff_paragraphs(".so man1/other.1\n") == []
 
 
 def test_html_keeps_prose_and_drops_code_tables_and_navigation():
@@ -74,22 +70,22 @@ def test_html_keeps_prose_and_drops_code_tables_and_navigation():
     <h1>Title<a class="headerlink" href="#">\u00b6</a></h1><p>{PROSE}</p>
     <pre>for x in range(10): print(x)</pre><div class="highlight-python"><pre>a = 1</pre></div>
     <table><tr><td>cell one</td></tr></table><ul><li>{PROSE3}</li></ul></body></html>"""
-    paras = [bpc.normalise(p) for p in bpc.html_paragraphs(page)]
+    paras = [normalise(p) for p in html_paragraphs(page)]
     paras = [p for p in paras if p]
     assert paras == ["Title", PROSE, PROSE3]
 
 
 def test_pod_and_info_keep_text_and_drop_code():
-    pod = (f"=head1 NAME\n\nperlfoo - a page\n\n=head1 DESCRIPTION\n\nUse C<print> and "
-           f"L<the manual|perlfunc> with E<lt>angle E<gt> brackets.\n\n    my $x = 1;\n\n"
-           f"=begin html\n\n<p>raw</p>\n\n=end html\n\n=cut\n\nsub code {{ 1 }}\n")
-    assert bpc.pod_paragraphs(pod) == [
+    pod = ("=head1 NAME\n\nperlfoo - a page\n\n=head1 DESCRIPTION\n\nUse C<print> and "
+           "L<the manual|perlfunc> with E<lt>angle E<gt> brackets.\n\n    my $x = 1;\n\n"
+           "=begin html\n\n<p>raw</p>\n\n=end html\n\n=cut\n\nsub code { 1 }\n")
+    assert pod_paragraphs(pod) == [
         "NAME", "perlfoo - a page", "DESCRIPTION",
         "Use print and the manual with <angle > brackets."]
     info = ("\x1f\nFile: r.info, Node: Intro, Next: Two\n\n1 Intro\n*******\n\n"
             f"{PROSE}\n\n     x <- c(1, 2)\n     y <- x\n\n* Menu:\n\n* Two::  the next\n"
             "\x1f\nTag Table:\nNode: Intro\x7f1\n")
-    assert bpc.info_paragraphs(info) == ["1 Intro", PROSE]
+    assert info_paragraphs(info) == ["1 Intro", PROSE]
 
 
 @pytest.mark.parametrize("text, verdict", [
@@ -102,7 +98,7 @@ def test_pod_and_info_keep_text_and_drop_code():
     ("WARNING THIS PROGRAM DELETES ALL THE FILES IN THE FOLDER NOW.", "upper_case"),
 ])
 def test_paragraph_rules(text, verdict):
-    assert bpc.paragraph_verdict(text) == verdict
+    assert paragraph_verdict(text) == verdict
 
 
 def test_boilerplate_duplicates_and_short_documents_are_removed():
@@ -116,7 +112,7 @@ def test_boilerplate_duplicates_and_short_documents_are_removed():
         ("b", "short.html", [PROSE5, licence]),                        # too short
     ]
     counts = Counter()
-    kept = bpc.clean_documents(docs, counts)
+    kept = clean_documents(docs, counts)
     assert [(s, p) for s, p, _ in kept] == [("a", "one.html"), ("b", "five.html")]
     assert counts["exact_duplicate"] == 1
     assert counts["boilerplate_paragraphs"] == 4      # the licence, in four distinct documents
@@ -154,17 +150,17 @@ def _fixture_deb(path: Path) -> None:
     path.write_bytes(_ar({"debian-binary": b"2.0\n", "data.tar.xz": buf.getvalue()}))
 
 
-DEMO = bpc.Source("demo", "1:1.0-1", None, "public domain",
-                  (("usr/share/doc/demo/html/*.html", "html"), ("usr/share/man/man*.gz", "roff")),
-                  ("*/genindex.html",))
+DEMO = Source("demo", "1:1.0-1", None, "public domain",
+              (("usr/share/doc/demo/html/*.html", "html"), ("usr/share/man/man*.gz", "roff")),
+              ("*/genindex.html",))
 
 
 def test_same_package_same_digest_and_preprocess_reads_it(tmp_path):
     debs = tmp_path / "debs"
     debs.mkdir()
     _fixture_deb(debs / "demo_1%3a1.0-1_all.deb")
-    first = bpc.build([DEMO], debs, tmp_path / "one", download=False)
-    second = bpc.build([DEMO], debs, tmp_path / "two", download=False)
+    first = build([DEMO], debs, tmp_path / "one", download=False)
+    second = build([DEMO], debs, tmp_path / "two", download=False)
     assert first == second
     out = first["output"]
     assert out["documents"] == 2 and first["filters"]["documents"]["near_duplicate"] == 1
@@ -187,9 +183,9 @@ def test_same_package_same_digest_and_preprocess_reads_it(tmp_path):
 
 def test_pinned_digest_is_checked(tmp_path):
     _fixture_deb(tmp_path / "demo_1.0-1_all.deb")
-    pinned = bpc.Source("demo", "1:1.0-1", "0" * 64, "x", DEMO.include)
-    with pytest.raises(bpc.BuildError, match="differs from the pinned"):
-        bpc.fetch(pinned, tmp_path, download=False)
+    pinned = Source("demo", "1:1.0-1", "0" * 64, "x", DEMO.include)
+    with pytest.raises(BuildError, match="differs from the pinned"):
+        fetch(pinned, tmp_path, download=False)
 
 
 def _cli(*args, cwd=ROOT):
@@ -223,7 +219,7 @@ def test_list_names_every_source_with_version_and_licence():
     proc = _cli("--list")
     assert proc.returncode == 0
     lines = proc.stdout.splitlines()
-    assert len(lines) == len(bpc.SOURCES) and "maint-guide=1.2.53\tGPL-2+" in lines
+    assert len(lines) == len(SOURCES) and "maint-guide=1.2.53\tGPL-2+" in lines
 
 
 def _run_sh(tmp_path, **env):
