@@ -21,6 +21,7 @@ op for op, elsewhere).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -70,6 +71,12 @@ def cp_chunk_order(cp: int) -> Tensor:
     return torch.tensor([gathered.index(j) for j in range(2 * cp)])
 
 
+@functools.lru_cache(maxsize=None)
+def _chunk_order_on(cp: int, device: torch.device) -> Tensor:
+    # built once per group size and device, not per layer call (a host-to-device copy)
+    return cp_chunk_order(cp).to(device)
+
+
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, dropout_p: float,
                                scale: Optional[float]) -> Tensor:
     """Causal attention of this rank's two query chunks against the whole sequence.
@@ -85,7 +92,7 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, dropou
     """
     cp, rank = group.size(), group.rank()
     c = q.shape[2] // 2
-    order = cp_chunk_order(cp).to(k.device)
+    order = _chunk_order_on(cp, k.device)
 
     def gather(t: Tensor) -> Tensor:
         # [C s_local, b, ng, hn] in the gathered order -> sequence order, as [b, ng, s, hn]
