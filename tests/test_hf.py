@@ -386,3 +386,38 @@ def test_key_map_pads_vocab_splits_layouts_and_names_bad_keys():
     bad["model.layers.1.mlp.down_proj.weight"] = torch.zeros(16, 24)
     with pytest.raises(ConversionError, match=r"down_proj.weight has shape \(16, 24\).*\(20, 24\)"):
         hf_to_megatron(bad, cfg)
+
+
+@pytest.mark.parametrize("residual,key", [("attnres", "sliced"), ("lr_attnres", "sliced"),
+                                          ("lr_attnres", "projected")])
+def test_fp32_model_under_autocast_reads_sources_of_one_dtype(residual, key, monkeypatch):
+    """An fp32 HF model under bf16 autocast (plain PyTorch fine-tuning, DeepSpeed's
+    baseline): the embedding is fp32 while the sub-layers return bf16; every depth read
+    must still get sources (and keys) of one dtype, which the fused CUDA op requires."""
+    from megatron_lrattn.hf import modeling_lrattn
+    from megatron_lrattn.hf.configuration_lrattn import LRAttnConfig
+
+    seen = []
+    reference = modeling_lrattn.depth_read_reference
+
+    def spy(values, query, keys, eps, scale):
+        seen.append(({v.dtype for v in values}, None if keys is None else {k.dtype for k in keys}))
+        return reference(values, query, keys, eps=eps, scale=scale)
+
+    monkeypatch.setattr(modeling_lrattn, "depth_read", spy)
+    torch.manual_seed(0)
+    config = LRAttnConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, residual=residual,
+                          key=key, rank=16, num_blocks=2)
+    model = modeling_lrattn.LRAttnForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "query" in name:
+                p.normal_(0, 0.5)
+    tokens = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        fp32 = model(input_ids=tokens).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model(input_ids=tokens).logits
+    assert seen and all(len(v) == 1 and (k is None or len(k) == 1) for v, k in seen), seen
+    assert (mixed.float() - fp32).abs().max() < 0.1 * fp32.abs().max()

@@ -89,7 +89,15 @@ class DepthState:
         self.done, self.ends = 0, ends
 
     def add(self, value, key):
-        """Add one sub-layer output (and its normalised key) to the current block."""
+        """Add one sub-layer output (and its normalised key) to the current block.
+
+        Sources keep the embedding's dtype (the parameters' dtype, as a residual stream does):
+        under autocast the sub-layers return bf16 while an fp32 model's embedding is fp32,
+        and one read takes sources of one dtype.
+        """
+        value = value.to(self.values[0].dtype)
+        if key is not None and self.keys is not None:
+            key = key.to(self.keys[0].dtype)
         self.partial = value if self.partial is None else self.partial + value
         if key is not None:
             self.partial_key = key if self.partial_key is None else self.partial_key + key
