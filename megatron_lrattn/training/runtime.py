@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrattn.compat.cpu import apply_cpu_compat
+from megatron_lrattn.compat.multi_tensor import install as install_multi_tensor
 
 
 def _free_port() -> int:
@@ -59,6 +60,7 @@ def init_runtime(tp: int, pp: int, seed: int, vp: Optional[int] = None,
     cuda = torch.cuda.is_available()
     if not cuda:
         apply_cpu_compat()
+    install_multi_tensor()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -101,6 +103,7 @@ def single_process_model_parallel():
 
     if not torch.cuda.is_available():
         apply_cpu_compat()
+    install_multi_tensor()
     made_pg = made_mp = False
     store = None
     if not dist.is_initialized():
