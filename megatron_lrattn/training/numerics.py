@@ -45,17 +45,13 @@ def _grad_tensors(model) -> List[torch.Tensor]:
 
 def grads_finite(models) -> bool:
     """True when every gradient of every rank is finite (a collective on all ranks)."""
-    bad = 0.0
-    device = None
-    for model in models:
-        for g in _grad_tensors(model):
-            device = g.device
-            if not torch.isfinite(g.sum(dtype=torch.float32)):
-                bad = 1.0
-                break
-    if device is None:
+    # one sum per buffer, then one flag and one host read for all of them
+    sums = [g.sum(dtype=torch.float32) for model in models for g in _grad_tensors(model)]
+    if sums:
+        flag = (~torch.isfinite(torch.stack(sums))).any().float().reshape(1)
+    else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    flag = torch.tensor([bad], device=device)
+        flag = torch.zeros(1, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() == 0)
