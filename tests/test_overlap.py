@@ -160,6 +160,30 @@ def test_overlapped_param_gather_is_exact(layout, tmp_path, data_cache):
                 assert _rel(a[k], b[k]) <= 1e-6, (k, _rel(a[k], b[k]))
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlap_flags_on_one_gpu_change_nothing(tmp_path, data_cache):
+    """One GPU, ``--deterministic``, distributed optimizer: the overlapped reduce and
+    parameter all-gather (10+ buckets) against neither, the same losses bit for bit."""
+    flags = ["--preset", "study-25m", "--mock-data", "--train-iters", "12",
+             "--lr-warmup-iters", "2", "--eval-interval", "1000", "--eval-iters", "1",
+             "--seed", "7", "--no-progress", "--residual", "lr_attnres", "--num-blocks", "4",
+             "--micro-batch-size", "8", "--global-batch-size", "8", "--deterministic",
+             "--cuda-graph-impl", "none", "--use-distributed-optimizer"]
+    losses = {}
+    for name, extra in (("off", OFF), ("on", ["--overlap-grad-reduce", "--overlap-param-gather",
+                                              "--ddp-bucket-size", "2000000"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        r = subprocess.run([sys.executable, "-m", "megatron_lrattn.cli.pretrain", *flags, *extra,
+                            "--log-json", str(metrics), "--log-interval", "1"],
+                           env=cli_env(data_cache), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        losses[name] = [row["loss"] for row in rows if row.get("type") == "train"]
+    assert len(losses["on"]) == 12 and losses["on"] == losses["off"], losses
+
+
 def _worker(out: str, argv) -> int:
     """Run ``lrattn-pretrain argv``, saving this rank's reduced gradients after every
     step and its weights (through the DDP state dict) at the end."""
