@@ -20,7 +20,7 @@ def mp():
 def test_rotary_to_heads_equals_megatron_rotary(mp, rot_dim):
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-    from megatron_lrattn.model.attention import rotary_to_heads
+    from megatron_lrattn.model.attention import rotary_tables, rotary_to_heads
 
     g = torch.Generator().manual_seed(0)
     s, b, h, hn = 12, 2, 3, 8
@@ -28,7 +28,7 @@ def test_rotary_to_heads_equals_megatron_rotary(mp, rot_dim):
     freqs = torch.randn(s + 4, 1, 1, rot_dim, generator=g)
     cfg = tiny_config("standard")
     ref = apply_rotary_pos_emb(t, freqs[:s], config=cfg).permute(1, 2, 0, 3)
-    out = rotary_to_heads(t, freqs)
+    out = rotary_to_heads(t, *rotary_tables(freqs, t.dtype))
     assert torch.equal(out, ref)
     grad = torch.randn(out.shape, generator=g)
     (g_ref,) = torch.autograd.grad(ref, t, grad)
@@ -69,3 +69,20 @@ def test_sdpa_spec_rotary_inside_core_matches_megatron_rotary(mp, residual):
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def test_rotary_tables_are_taken_once_per_rotary_tensor():
+    from megatron_lrattn.model import attention
+
+    g = torch.Generator().manual_seed(1)
+    freqs = torch.randn(16, 1, 1, 8, generator=g)
+    t = torch.randn(12, 2, 3, 8, generator=g, dtype=torch.bfloat16)
+    first = attention._cached_tables(freqs, t.dtype)
+    assert all(a is b for a, b in zip(first, attention._cached_tables(freqs, t.dtype)))
+    assert attention._cached_tables(freqs, torch.float32)[0].dtype == torch.float32
+    ref = attention.rotary_to_heads(t, *attention.rotary_tables(freqs, t.dtype))
+    assert torch.equal(attention._rotary(t, freqs), ref)
+    freqs.mul_(2.0)  # changed in place: new tables
+    again = attention._cached_tables(freqs, t.dtype)
+    assert not torch.equal(again[0], first[0])
+    torch.testing.assert_close(again[0], torch.cos(freqs).to(t.dtype), rtol=0, atol=0)

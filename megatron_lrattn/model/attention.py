@@ -16,7 +16,8 @@ rotate-half built from two concatenations, then multiplies and an add, each a pa
 and k, forward and backward). ``RotarySDPASelfAttention`` hands the rotary embedding to its
 SDPA core instead, which applies the same formula fused with the layout change for SDPA
 (one ``torch.compile``d kernel each way on CUDA; the eager formula, identical to megatron's
-op for op, elsewhere).
+op for op, elsewhere). The cos and sin tables are computed once per rotary tensor (that is,
+once per sequence length: megatron caches the tensor) instead of in every layer's kernel.
 """
 
 from __future__ import annotations
@@ -35,32 +36,57 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 
-def rotary_to_heads(t: Tensor, freqs: Tensor) -> Tensor:
-    """Rotary embedding of ``t`` [s, b, heads, hn] (megatron's non-interleaved formula, cos
-    and sin cast to ``t``'s dtype), returned as [b, heads, s, hn] for SDPA.
+def rotary_tables(freqs: Tensor, dtype: torch.dtype) -> "tuple[Tensor, Tensor]":
+    """cos and sin of megatron's rotary tensor ``freqs`` [s', 1, 1, rot_dim] (fp32), cast to
+    ``dtype`` as megatron's ``apply_rotary_pos_emb`` casts them."""
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
 
-    ``freqs`` is megatron's rotary tensor [s', 1, 1, rot_dim] (s' >= s, fp32); coordinates
-    past ``rot_dim`` pass through unrotated.
+
+def rotary_to_heads(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of ``t`` [s, b, heads, hn] (megatron's non-interleaved formula),
+    returned as [b, heads, s, hn] for SDPA.
+
+    ``cos``, ``sin``: :func:`rotary_tables` of the rotary tensor, [s', 1, 1, rot_dim] with
+    s' >= s; coordinates past ``rot_dim`` pass through unrotated.
     """
-    freqs = freqs[: t.shape[0]]
-    rot = freqs.shape[-1]
+    cos, sin = cos[: t.shape[0]], sin[: t.shape[0]]
+    rot = cos.shape[-1]
     x, x_pass = t[..., :rot], t[..., rot:]
-    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
     x1, x2 = torch.chunk(x, 2, dim=-1)
     x = (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
     return torch.cat((x, x_pass), dim=-1).permute(1, 2, 0, 3)
 
 
 _compiled_rotary = None
+# The rotary tensor of a sequence length is one tensor for every layer and step
+# (megatron's RotaryEmbedding caches it), so its cos and sin are taken once, not in every
+# layer's kernel: (freqs, dtype) -> (freqs, cos, sin); freqs is held so that its storage
+# cannot be reused by another tensor while the entry exists.
+_TABLES: dict = {}
+
+
+def _cached_tables(freqs: Tensor, dtype: torch.dtype) -> "tuple[Tensor, Tensor]":
+    key = (freqs.data_ptr(), tuple(freqs.shape), freqs.device, dtype, freqs._version)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is freqs:
+        return hit[1], hit[2]
+    if len(_TABLES) >= 16:
+        _TABLES.clear()
+    cos, sin = rotary_tables(freqs, dtype)
+    _TABLES[key] = (freqs, cos, sin)
+    return cos, sin
 
 
 def _rotary(t: Tensor, freqs: Tensor) -> Tensor:
     global _compiled_rotary
+    if freqs.requires_grad:  # never in megatron's models; keep the gradient path exact
+        return rotary_to_heads(t, *rotary_tables(freqs, t.dtype))
+    cos, sin = _cached_tables(freqs, t.dtype)
     if not t.is_cuda:
-        return rotary_to_heads(t, freqs)
+        return rotary_to_heads(t, cos, sin)
     if _compiled_rotary is None:
         _compiled_rotary = torch.compile(rotary_to_heads, fullgraph=True, dynamic=False)
-    return _compiled_rotary(t, freqs)
+    return _compiled_rotary(t, cos, sin)
 
 
 def cp_chunk_order(cp: int) -> Tensor:
