@@ -1,8 +1,8 @@
 """The prose corpus builder (tools/build_prose_corpus.py and tools/prose_corpus/) on small
 synthetic inputs: markup is stripped, non-prose and duplicates are removed, the same packages
 give the same digest, the output is what lrattn-preprocess reads, and bad flags are one-line
-errors. Also the study's prose and learning-rate sweep knobs (tools/gpu_box/run.sh,
-tools/study_report.py)."""
+errors. Also the study's prose, learning-rate sweep and per-arm learning-rate knobs
+(tools/gpu_box/run.sh) and its report (tools/study_report.py), with downstream evaluations."""
 from __future__ import annotations
 
 import gzip
@@ -250,3 +250,76 @@ def test_study_report_reads_a_learning_rate_sweep(tmp_path):
     assert list(summary["arms"])[:3] == ["standard_lr1e-3", "standard_lr2e-3", "standard_lr4e-3"]
     table = report.sweep_table(summary)
     assert "| standard residual | 3.1000 | **3.0000** | 3.2000 | 2e-3 |" in table
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LRS": "1e-3", "ARM_LRS": "standard=1e-3"}, "set LRS (a sweep) or ARM_LRS"),
+    ({"ARMS": "standard attnres", "ARM_LRS": "standard=1e-3"}, "has no LR for arm attnres"),
+    ({"ARMS": "standard", "ARM_LRS": "standard=1e-3 bogus=2e-3"},
+     "ARM_LRS names unknown arm bogus"),
+    ({"ARMS": "standard", "ARM_LRS": "standard"}, "ARM_LRS entry 'standard' is not arm=LR"),
+    ({"ARMS": "standard", "ARM_LRS": "standard=fast"},
+     "ARM_LRS entry 'standard=fast' is not arm=LR"),
+])
+def test_study_refuses_bad_per_arm_learning_rates(tmp_path, env, message):
+    proc = _run_sh(tmp_path, CORPUS="prose", PROSE_DIR=str(tmp_path / "none"), **env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("study:")]
+    assert len(lines) == 1 and message in lines[0], proc.stdout
+    # refused before the corpus: nothing was preprocessed or trained
+    assert "needs prose.jsonl.gz" not in proc.stdout and "lrattn-preprocess" not in proc.stdout
+
+
+def _eval_json(bpb, last_word, next_line, next_line_norm):
+    return {"model": "/tmp/study/hf_x", "model_type": "lrattn", "settings": {"limit": 500},
+            "tasks": {"heldout": {"bits_per_byte": bpb, "perplexity": 9.0, "tokens": 100},
+                      "last_word": {"items": 500, "acc": last_word, "acc_stderr": 0.02},
+                      "next_line": {"items": 500, "choices": 4, "acc": next_line,
+                                    "acc_stderr": 0.02, "acc_norm": next_line_norm,
+                                    "acc_norm_stderr": 0.02}},
+            "seconds": 1.0}
+
+
+def _seed_runs(folder, losses):
+    for name, loss in losses.items():
+        rows = [{"type": "train", "iteration": 10, "loss": loss + 0.1, "consumed_samples": 8},
+                {"type": "valid", "iteration": 10, "loss": loss}]
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_study_report_adds_downstream_columns_from_eval_files(tmp_path):
+    losses = {"standard_seed1": 3.0, "standard_seed2": 3.2,
+              "lr_sliced_seed1": 2.8, "lr_sliced_seed2": 2.9}
+    plain, evald = tmp_path / "plain", tmp_path / "evald"
+    for folder in (plain, evald):
+        folder.mkdir()
+        _seed_runs(folder, losses)
+    for name, vals in {"standard_seed1": (1.2, 0.30, 0.50, 0.40),
+                       "standard_seed2": (1.4, 0.34, 0.54, 0.44),
+                       "lr_sliced_seed1": (1.0, 0.40, 0.60, 0.58)}.items():
+        (evald / f"{name}_eval.json").write_text(json.dumps(_eval_json(*vals)))
+
+    # without eval files: the table and JSON as before
+    summary = report.summarise(report.load_runs(plain), report.load_evals(plain))
+    assert report.load_evals(plain) == {}
+    assert all("downstream" not in a for a in summary["arms"].values())
+    assert report.table(summary).splitlines()[0] == "| arm | mean | sd | seed 1 | seed 2 |"
+    assert report.table(summary) == report.table(report.summarise(report.load_runs(plain)))
+
+    assert report.main([str(evald), "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "study.json").read_text())
+    std = summary["arms"]["standard"]["downstream"]
+    assert set(std) == {"heldout_bpb", "last_word_acc", "next_line_acc", "next_line_acc_norm"}
+    assert std["heldout_bpb"]["per_seed"] == {"1": 1.2, "2": 1.4}
+    assert std["heldout_bpb"]["mean"] == pytest.approx(1.3)
+    assert std["last_word_acc"]["sd"] == pytest.approx(0.04 / 2 ** 0.5)
+    sliced = summary["arms"]["lr_sliced"]["downstream"]
+    assert sliced["next_line_acc_norm"]["n"] == 1 and sliced["next_line_acc_norm"]["sd"] is None
+    lines = (tmp_path / "out" / "study_table.md").read_text().splitlines()
+    assert lines[0] == ("| arm | mean | sd | seed 1 | seed 2 | held-out bits/byte | "
+                        "last_word acc | next_line acc | next_line acc_norm |")
+    assert lines[1] == "|---" * 9 + "|"
+    assert lines[2] == ("| standard residual | 3.1000 | 0.1414 | 3.0000 | 3.2000 | "
+                        "1.3000 ± 0.1414 | 0.3200 ± 0.0283 | 0.5200 ± 0.0283 | "
+                        "0.4200 ± 0.0283 |")
+    assert lines[3].endswith("| 1.0000 | 0.4000 | 0.6000 | 0.5800 |")

@@ -1,11 +1,12 @@
 """Summarise a quality study: final validation loss per arm (mean, sd, every seed), loss
 curves, and the ordering of the arms; for a learning-rate sweep, the loss per arm and LR
-and each arm's best LR.
+and each arm's best LR; with evaluations, downstream accuracy and bits per byte per arm.
 
 Reads ``<dir>/<arm>_seed<k>.jsonl`` or ``<dir>/<arm>_lr<LR>_seed<k>.jsonl``
-(``lrattn-pretrain --log-json`` files, as written by ``tools/gpu_box/run.sh study``) and
-writes ``study.json``, ``study_table.md``, ``study_sweep.md`` (runs with an LR in their
-name) and ``study_curves.png`` to ``--out``.
+(``lrattn-pretrain --log-json`` files, as written by ``tools/gpu_box/run.sh study``) and,
+where present, ``<dir>/<run>_eval.json`` (``lrattn-eval --output`` of the run's final
+checkpoint), and writes ``study.json``, ``study_table.md``, ``study_sweep.md`` (runs with an
+LR in their name) and ``study_curves.png`` to ``--out``.
 
     python tools/study_report.py benchmarks/results/study_2026-11-30 --out docs
 """
@@ -17,7 +18,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ARM_ORDER = ("standard", "attnres", "lr_sliced", "lr_projected")
 LABELS = {
@@ -26,7 +27,8 @@ LABELS = {
     "lr_sliced": "LR-AttnRes sliced (r=d/4, N=8)",
     "lr_projected": "LR-AttnRes projected (r=32, N=8)",
 }
-_NAME = re.compile(r"^(?P<arm>.+?)(?:_lr(?P<lr>[0-9.]+(?:e-?\d+)?))?_seed(?P<seed>\d+)\.jsonl$")
+_NAME = re.compile(r"^(?P<arm>.+?)(?:_lr(?P<lr>[0-9.]+(?:e-?\d+)?))?_seed(?P<seed>\d+)"
+                   r"(?P<eval>_eval\.json|\.jsonl)$")
 
 
 def load_runs(folder: Path) -> Dict[str, Dict[int, List[dict]]]:
@@ -35,12 +37,51 @@ def load_runs(folder: Path) -> Dict[str, Dict[int, List[dict]]]:
     runs: Dict[str, Dict[int, List[dict]]] = {}
     for path in sorted(folder.glob("*_seed*.jsonl")):
         m = _NAME.match(path.name)
-        if not m:
+        if not m or m["eval"] != ".jsonl":
             continue
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         arm = m["arm"] + (f"_lr{m['lr']}" if m["lr"] else "")
         runs.setdefault(arm, {})[int(m["seed"])] = rows
     return runs
+
+
+def load_evals(folder: Path) -> Dict[str, Dict[int, dict]]:
+    """``{arm: {seed: results}}`` of every ``<arm>[_lr<LR>]_seed<k>_eval.json`` in ``folder``
+    (``lrattn-eval --output`` files); arms named as in ``load_runs``."""
+    evals: Dict[str, Dict[int, dict]] = {}
+    for path in sorted(folder.glob("*_seed*_eval.json")):
+        m = _NAME.match(path.name)
+        if not m or m["eval"] != "_eval.json":
+            continue
+        arm = m["arm"] + (f"_lr{m['lr']}" if m["lr"] else "")
+        evals.setdefault(arm, {})[int(m["seed"])] = json.loads(path.read_text())
+    return evals
+
+
+def eval_metrics(results: dict) -> Dict[str, float]:
+    """The downstream numbers of one ``lrattn-eval`` result: held-out bits per byte
+    (``heldout_bpb``) and every accuracy (``<task>_acc``, ``<task>_acc_norm``)."""
+    out: Dict[str, float] = {}
+    for task, r in results.get("tasks", {}).items():
+        if "bits_per_byte" in r:
+            out[f"{task}_bpb"] = r["bits_per_byte"]
+        for m in ("acc", "acc_norm"):
+            if m in r:
+                out[f"{task}_{m}"] = r[m]
+    return out
+
+
+def _downstream(evals: Dict[int, dict]) -> Dict[str, dict]:
+    """Per metric: every seed's value, mean and sd over seeds (n - 1)."""
+    per_seed: Dict[str, Dict[int, float]] = {}
+    for seed, results in sorted(evals.items()):
+        for metric, value in eval_metrics(results).items():
+            per_seed.setdefault(metric, {})[seed] = value
+    return {metric: {"per_seed": vals,
+                     "mean": statistics.fmean(vals.values()),
+                     "sd": statistics.stdev(vals.values()) if len(vals) > 1 else None,
+                     "n": len(vals)}
+            for metric, vals in per_seed.items()}
 
 
 def split_lr(arm: str) -> tuple:
@@ -76,8 +117,11 @@ def _order(arm: str) -> tuple:
             float(lr) if lr else 0.0)
 
 
-def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
-    """Final validation loss of every run and mean / sd per arm (sd over seeds, n - 1)."""
+def summarise(runs: Dict[str, Dict[int, List[dict]]],
+              evals: Optional[Dict[str, Dict[int, dict]]] = None) -> dict:
+    """Final validation loss of every run and mean / sd per arm (sd over seeds, n - 1); with
+    ``evals`` (``load_evals``), an arm that has them also gets ``downstream``: per metric of
+    ``eval_metrics``, every seed's value and mean / sd over seeds."""
     arms = {}
     for arm in sorted(runs, key=_order):
         finals, iters, tokens = {}, {}, {}
@@ -99,6 +143,8 @@ def summarise(runs: Dict[str, Dict[int, List[dict]]]) -> dict:
             "sd": statistics.stdev(vals) if len(vals) > 1 else None,
             "n": len(vals),
         }
+        if evals and evals.get(arm):
+            arms[arm]["downstream"] = _downstream(evals[arm])
     ranked = sorted((a for a in arms if arms[a]["mean"] is not None), key=lambda a: arms[a]["mean"])
     sweep: Dict[str, dict] = {}
     for arm, info in arms.items():
@@ -130,20 +176,43 @@ def sweep_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _metric_order(metric: str) -> tuple:
+    return (not metric.endswith("_bpb"), metric)
+
+
 def table(summary: dict) -> str:
-    """Markdown table: arm, mean, sd, every seed's final validation loss."""
+    """Markdown table: arm, mean, sd, every seed's final validation loss; with evaluations,
+    a column per downstream metric (mean +- sd over seeds)."""
     arms = summary["arms"]
     seeds = sorted({s for a in arms.values() for s in a["final_valid_loss"]})
-    head = "| arm | mean | sd | " + " | ".join(f"seed {s}" for s in seeds) + " |"
-    sep = "|---" * (3 + len(seeds)) + "|"
+    metrics = sorted({m for a in arms.values() for m in a.get("downstream", {})},
+                     key=_metric_order)
+    heads = [f"seed {s}" for s in seeds] + [_metric_label(m) for m in metrics]
+    head = "| arm | mean | sd | " + " | ".join(heads) + " |"
+    sep = "|---" * (3 + len(heads)) + "|"
     lines = [head, sep]
     for a in arms.values():
         cells = [f"{a['final_valid_loss'][s]:.4f}" if s in a["final_valid_loss"] else "-"
                  for s in seeds]
+        for m in metrics:
+            d = a.get("downstream", {}).get(m)
+            cells.append("-" if d is None else f"{d['mean']:.4f}" +
+                         (f" ± {d['sd']:.4f}" if d["sd"] is not None else ""))
         mean = f"{a['mean']:.4f}" if a["mean"] is not None else "-"
         sd = f"{a['sd']:.4f}" if a["sd"] is not None else "-"
         lines.append(f"| {a['label']} | {mean} | {sd} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _metric_label(metric: str) -> str:
+    """``heldout_bpb`` -> ``held-out bits/byte``; ``next_line_acc_norm`` -> ``next_line
+    acc_norm``."""
+    if metric == "heldout_bpb":
+        return "held-out bits/byte"
+    for m in ("acc_norm", "acc", "bpb"):
+        if metric.endswith(f"_{m}"):
+            return f"{metric[:-len(m) - 1]} {m}"
+    return metric
 
 
 def plot(runs: Dict[str, Dict[int, List[dict]]], summary: dict, path: Path) -> bool:
@@ -196,13 +265,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: folder)")
     args = p.parse_args(argv)
     runs = load_runs(args.folder)
+    evals = load_evals(args.folder)
     if not runs:
         print(f"study_report: error: no <arm>_seed<k>.jsonl files in {args.folder}",
               file=sys.stderr)
         return 2
     out = args.out or args.folder
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarise(runs)
+    summary = summarise(runs, evals)
     (out / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = table(summary)
     (out / "study_table.md").write_text(text + "\n")

@@ -187,46 +187,71 @@ suite_parallel() {  # loss curves of TP=2 and PP=2 against one GPU, from one che
     rm -rf "$ck"
 }
 
-suite_study() {  # ARMS x LRS x SEEDS of PRESET on every visible GPU at once
+suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GPU at once
     local seeds=${SEEDS:-"1 2 3"} iters=${ITERS:-500} preset=${PRESET:-study-25m}
     local arms=${ARMS:-standard attnres lr_sliced lr_projected} lrs=${LRS:-preset}
-    local slots=$((NGPU > 0 ? NGPU : 1)) tok prefix seed arm lr name i=0 fail=0 p pids=()
-    mkdir -p "$OUT/study" /tmp/study
+    local slots=$((NGPU > 0 ? NGPU : 1)) tok prefix seed arm lr name entry i=0 fail=0 p
+    local pids=() runs=() saved=() number='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$'
     declare -A flags=(
         [standard]="--residual standard"
         [attnres]="--residual attnres --num-blocks 8"
         [lr_sliced]="--residual lr_attnres --key sliced --rank 128 --num-blocks 8"
         [lr_projected]="--residual lr_attnres --key projected --rank 32 --num-blocks 8")
+    declare -A arm_lr=()
     for arm in $arms; do
         [ -n "${flags[$arm]:-}" ] || { log "study: unknown arm $arm (standard attnres lr_sliced lr_projected)"; return 2; }
     done
+    if [ -n "${ARM_LRS:-}" ]; then  # the seeds phase: each arm at its own LR
+        [ -z "${LRS:-}" ] || { log "study: set LRS (a sweep) or ARM_LRS (an LR per arm), not both"; return 2; }
+        for entry in $ARM_LRS; do
+            arm=${entry%%=*} lr=${entry#*=}
+            [ "$arm" != "$entry" ] && [[ $lr =~ $number ]] \
+                || { log "study: ARM_LRS entry '$entry' is not arm=LR (e.g. attnres=2e-3)"; return 2; }
+            [ -n "${flags[$arm]:-}" ] \
+                || { log "study: ARM_LRS names unknown arm $arm (standard attnres lr_sliced lr_projected)"; return 2; }
+            arm_lr[$arm]=$lr
+        done
+        for arm in $arms; do
+            [ -n "${arm_lr[$arm]:-}" ] \
+                || { log "study: ARM_LRS has no LR for arm $arm (ARM_LRS=\"$ARM_LRS\")"; return 2; }
+        done
+        lrs=per-arm
+    fi
+    mkdir -p "$OUT/study" /tmp/study
     case ${CORPUS:-code} in
     code) study_code_data ;;
     prose) study_prose_data || return 2 ;;
     *) log "study: unknown CORPUS=$CORPUS (code or prose)"; return 2 ;;
     esac
-    log "study: corpus ${CORPUS:-code}, $preset, $iters iterations, arms $arms, LRs $lrs, seeds $seeds"
+    # checkpoints and Hugging Face exports of an earlier call on this machine
+    rm -rf /tmp/study/ckpt_* /tmp/study/hf_* /tmp/study/eval_*
+    log "study: corpus ${CORPUS:-code}, $preset, $iters iterations, arms $arms," \
+        "LRs ${ARM_LRS:-$lrs}, seeds $seeds"
     for seed in $seeds; do
         for lr in $lrs; do
             for arm in $arms; do
                 # LRS="1e-3 2e-3 ...": a sweep, each run at --lr LR --min-lr LR/10, named
-                # <arm>_lr<LR>; no checkpoints. Otherwise the preset's LR, seed 1 saved.
-                local save=() lrflags=()
-                name=$arm
-                if [ "$lr" != preset ]; then
-                    lrflags=(--lr "$lr" --min-lr "$(python3 -c "print(float('$lr') / 10)")")
-                    name=${arm}_lr$lr
-                elif [ "$seed" = 1 ] && [ "$arm" != standard ]; then
-                    save=(--save "/tmp/study/ckpt_$arm")
+                # <arm>_lr<LR>_seed<k>; no checkpoints. Otherwise (the seeds phase) each arm at
+                # its ARM_LRS entry (same --min-lr rule) or the preset's LR, named
+                # <arm>_seed<k>, every run's final checkpoint saved.
+                local save=() lrflags=() run_lr=$lr
+                [ "$lr" = per-arm ] && run_lr=${arm_lr[$arm]}
+                if [ "$run_lr" != preset ]; then
+                    lrflags=(--lr "$run_lr" --min-lr "$(python3 -c "print(float('$run_lr') / 10)")")
+                fi
+                if [ -n "${LRS:-}" ]; then
+                    name=${arm}_lr${lr}_seed$seed
+                else
+                    name=${arm}_seed$seed
+                    save=(--save "/tmp/study/ckpt_$name") saved+=("$name")
                 fi
                 # shellcheck disable=SC2086
                 CUDA_VISIBLE_DEVICES=$((i % slots)) OMP_NUM_THREADS=2 pretrain --preset "$preset" \
                     ${flags[$arm]} "${lrflags[@]}" --seed "$seed" --train-iters "$iters" \
                     --data-path "$prefix" --tokenizer-model "$tok" --split 98,2,0 "${save[@]}" \
                     --depth-schedule "${SCHEDULE:-per_site}" \
-                    --log-json "$OUT/study/${name}_seed$seed.jsonl" \
-                    >"/tmp/study/${name}_seed$seed.out" 2>&1 &
-                pids+=($!) i=$((i + 1))
+                    --log-json "$OUT/study/$name.jsonl" >"/tmp/study/$name.out" 2>&1 &
+                pids+=($!) runs+=("$name") i=$((i + 1))
                 while [ "$(jobs -rp | wc -l)" -ge $((${PER_GPU:-6} * slots)) ]; do sleep 2; done
             done
         done
@@ -235,14 +260,53 @@ suite_study() {  # ARMS x LRS x SEEDS of PRESET on every visible GPU at once
     log "training done, failed runs: $fail"
     if [ "$fail" -ne 0 ]; then
         status=1
-        for p in /tmp/study/*.out; do log "== last lines of $p"; tail -3 "$p" | tee -a "$OUT/log"; done
+        for name in "${runs[@]}"; do
+            log "== last lines of /tmp/study/$name.out"; tail -3 "/tmp/study/$name.out" | tee -a "$OUT/log"
+        done
     fi
     for arm in attnres lr_sliced lr_projected; do
-        [ -d "/tmp/study/ckpt_$arm" ] && step "lrattn-analyze $arm (seed 1)" 300 \
-            python3 -m megatron_lrattn.cli.analyze "/tmp/study/ckpt_$arm" \
+        [ -d "/tmp/study/ckpt_${arm}_seed1" ] && step "lrattn-analyze $arm (seed 1)" 300 \
+            python3 -m megatron_lrattn.cli.analyze "/tmp/study/ckpt_${arm}_seed1" \
             --out "$OUT/study/analyze_$arm" --num-batches 4 --no-progress
     done
+    [ "${EVAL:-1}" != 0 ] && [ ${#saved[@]} -gt 0 ] && study_eval "$tok" "${saved[@]}"
     step "study report" 120 python3 tools/study_report.py "$OUT/study" --out "$OUT/study"
+}
+
+study_eval() {  # TOKENIZER NAME...: each saved run -> lrattn-convert-hf -> lrattn-eval
+    # EVAL_JOBS runs at a time (default PER_GPU per GPU), each a pair of steps logged to its
+    # own file (the steps' time limit EVAL_S, 300 s), appended to $OUT/log in order after all
+    local tok=$1 dest=$OUT/study slots=$((NGPU > 0 ? NGPU : 1)) name n=0 rc d
+    shift
+    local names=() pids=() jobs=${EVAL_JOBS:-$((${PER_GPU:-6} * slots))}
+    for name in "$@"; do
+        if [ ! -d "/tmp/study/ckpt_$name" ]; then
+            log "== convert and evaluate $name: skipped, no checkpoint"
+            status=1
+            continue
+        fi
+        d=/tmp/study/eval_$name
+        mkdir -p "$d"
+        (
+            # step's log and status, for this run only; the exit code carries the status
+            OUT=$d status=0
+            export CUDA_VISIBLE_DEVICES=$((n % slots)) OMP_NUM_THREADS=2
+            step "lrattn-convert-hf $name" "${EVAL_S:-300}" python3 -m \
+                megatron_lrattn.cli.convert_hf "/tmp/study/ckpt_$name" "/tmp/study/hf_$name" \
+                --tokenizer "$tok"
+            [ "$status" -eq 0 ] && step "lrattn-eval $name" "${EVAL_S:-300}" python3 -m \
+                megatron_lrattn.cli.eval "/tmp/study/hf_$name" --output "$dest/${name}_eval.json" \
+                --limit "${EVAL_LIMIT:-500}" --no-progress
+            exit "$status"
+        ) >/dev/null 2>&1 &
+        names+=("$name") pids+=($!) n=$((n + 1))
+        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
+    done
+    for n in "${!pids[@]}"; do
+        wait "${pids[$n]}"; rc=$?
+        tee -a "$OUT/log" <"/tmp/study/eval_${names[$n]}/log"
+        [ "$rc" -eq 0 ] || status=1
+    done
 }
 
 study_code_data() {  # sets tok and prefix: the box's own .py files, the embedded tokenizer
