@@ -150,3 +150,68 @@ def test_cli_writes_json_and_table(llama_dir, tokenizer_dir, tmp_path, capsys, m
     assert main([llama_dir, "--tasks", "hellaswag"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "lrattn-eval: error: --tasks: unknown hellaswag")
+
+
+@pytest.fixture(scope="module")
+def dataset(tokenizer_dir, tmp_path_factory):
+    """40 documents through lrattn-preprocess: (prefix, texts)."""
+    from megatron_lrattn.cli.preprocess import main as preprocess
+
+    root = tmp_path_factory.mktemp("ds")
+    g = __import__("random").Random(0)
+    words = ["river", "stone", "garden", "window", "number", "lantern", "market", "yellow"]
+    texts = []
+    for d in range(40):
+        lines = [f"{d} " + " ".join(g.choice(words) for _ in range(8)) for _ in range(12)]
+        texts.append("\n".join(lines) + "\n")
+    src = root / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert preprocess(["--input", str(src), "--output-prefix", str(root / "d"), "--tokenizer",
+                       tokenizer_dir, "--workers", "1", "--no-progress"]) == 0
+    return str(root / "d_text_document"), texts
+
+
+@pytest.mark.parametrize("split,part,want", [("98,2,0", "valid", range(39, 40)),
+                                             ("80,10,10", "valid", range(32, 36)),
+                                             ("80,10,10", "test", range(36, 40)),
+                                             ("80,10,10", "train", range(0, 32))])
+def test_dataset_documents_are_the_split_part_decoded(dataset, tokenizer_dir, split, part, want):
+    from transformers import AutoTokenizer
+
+    from megatron_lrattn.eval.tasks import dataset_documents
+
+    prefix, texts = dataset
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    docs = dataset_documents(prefix, split, part,
+                             lambda ids: tok.decode(ids, skip_special_tokens=True))
+    assert docs == [texts[i] for i in want]
+
+
+def test_dataset_documents_refuse_an_empty_part(dataset):
+    from megatron_lrattn.eval.tasks import dataset_documents
+
+    with pytest.raises(ValueError, match="test part .* holds no document"):
+        dataset_documents(dataset[0], "98,2,0", "test", lambda ids: "")
+
+
+def test_cli_scores_a_datasets_valid_part(llama_dir, dataset, tmp_path, capsys):
+    from megatron_lrattn.cli.eval import main
+
+    prefix, _ = dataset
+    out = tmp_path / "res.json"
+    assert main([llama_dir, "--data-path", prefix, "--split", "80,20,0", "--limit", "4",
+                 "--output", str(out), "--no-progress"]) == 0
+    res = json.loads(out.read_text())
+    for task in ("heldout", "last_word", "next_line"):
+        assert res["tasks"][task]["source"].endswith("valid part of 80,20,0"), res["tasks"][task]
+    assert res["tasks"]["last_word"]["items"] == 4 and res["settings"]["split"] == "80,20,0"
+    capsys.readouterr()
+    for argv, needle in (([ "--data-path", prefix + "_nope"], "no " + prefix + "_nope.bin"),
+                         (["--data-path", prefix, "--split", "abc"], "--split 'abc'"),
+                         (["--data-path", prefix, "--split", "98,2,0", "--split-part", "test"],
+                          "holds no document"),
+                         (["--data-path", prefix, "--split", "98,2,0", "--tasks", "next_line"],
+                          "next_line: no item can be built")):
+        assert main([llama_dir, *argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert needle in err[-1] and "Traceback" not in "\n".join(err), err

@@ -19,14 +19,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lrattn-eval",
         description="Evaluate a Hugging Face causal LM folder (an lrattn-convert-hf export or "
-                    "any AutoModelForCausalLM) on tasks built from the held-out text of the "
-                    "embedded default corpus: held-out perplexity and bits per byte, last-word "
-                    "cloze, next-line choice. Prints a table; --output writes JSON.")
+                    "any AutoModelForCausalLM) on tasks built from held-out text (the embedded "
+                    "default corpus's test split, or a part of a preprocessed dataset with "
+                    "--data-path): held-out perplexity and bits per byte, last-word cloze, "
+                    "next-line choice. Prints a table; --output writes JSON.")
     p.add_argument("model", help="Hugging Face model folder")
     p.add_argument("--tasks", default=",".join(TASKS),
                    help=f"comma-separated tasks (default {','.join(TASKS)})")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text file that 'heldout' scores instead of the held-out corpus")
+    p.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="take every task's documents from a preprocessed dataset "
+                        "(PREFIX.bin/.idx, e.g. the training data) instead of the embedded "
+                        "corpus: the part --split-part of --split, decoded with the model's "
+                        "tokenizer (default: the embedded corpus's test split)")
+    p.add_argument("--split", default="969,30,1",
+                   help="train,valid,test shares that training used with --data-path "
+                        "(default 969,30,1, lrattn-pretrain's)")
+    p.add_argument("--split-part", choices=("train", "valid", "test"), default="valid",
+                   help="which part of --split the documents come from (default valid)")
     p.add_argument("--heldout-bytes", type=positive_int, default=None, metavar="N",
                    help="score only the first N bytes of the held-out corpus (default: all, "
                         "about 0.5 MB)")
@@ -63,6 +74,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError(f"{args.model}: no config.json (an HF model folder is expected)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text}: not a file")
+        if args.data_path is not None:
+            from megatron_lrattn.training.validation import check_split
+
+            check_split(args.split)  # one-line error on a malformed split
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(args.data_path + ext):
+                    raise ValueError(f"--data-path {args.data_path}: no {args.data_path}{ext}")
         import torch
 
         from megatron_lrattn.eval.harness import format_table, run_eval
@@ -72,7 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "float16": torch.float16}.get(args.dtype)
         if args.dtype == "auto":
             dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        results = run_eval(args.model, tasks, text_file=args.text, limit=args.limit,
+        results = run_eval(args.model, tasks, text_file=args.text, data_path=args.data_path,
+                           split=args.split, split_part=args.split_part, limit=args.limit,
                            heldout_bytes=args.heldout_bytes, seed=args.seed,
                            batch_size=args.batch_size, max_length=args.max_length,
                            device=device, dtype=dtype,

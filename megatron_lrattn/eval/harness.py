@@ -212,6 +212,8 @@ def next_line(scorer: Scorer, tok, items: Sequence[T.ChoiceItem]) -> Dict[str, f
 
 
 def run_eval(path: str, tasks: Sequence[str] = TASKS, *, text_file: Optional[str] = None,
+             data_path: Optional[str] = None, split: str = "969,30,1",
+             split_part: str = "valid",
              limit: int = 500, heldout_bytes: Optional[int] = None, seed: int = 0,
              batch_size: int = 8, max_length: Optional[int] = None, device: str = "cpu",
              dtype: Optional[torch.dtype] = None, trust_remote_code: bool = False,
@@ -221,6 +223,9 @@ def run_eval(path: str, tasks: Sequence[str] = TASKS, *, text_file: Optional[str
     Args:
         text_file: UTF-8 text scored by ``heldout`` instead of the held-out documents (one
             document).
+        data_path, split, split_part: take the documents of every task from part
+            ``split_part`` of the indexed dataset ``data_path`` under ``split`` (decoded with
+            the model's tokenizer) instead of the default corpus's test split.
         limit: items per accuracy task.
         heldout_bytes: cap on the held-out text (UTF-8 bytes) that ``heldout`` scores (the
             accuracy tasks always draw their items from the whole held-out split).
@@ -235,23 +240,36 @@ def run_eval(path: str, tasks: Sequence[str] = TASKS, *, text_file: Optional[str
     model, tok, model_type = load_model(path, device, dtype, trust_remote_code)
     window = max_length or default_max_length(model)
     scorer = Scorer(model, batch_size, window, progress)
-    docs = T.heldout_documents()
+    if data_path is not None:
+        docs = T.dataset_documents(
+            data_path, split, split_part,
+            lambda ids: tok.decode(ids, skip_special_tokens=True))
+        docs_source = f"{os.path.abspath(data_path)}, {split_part} part of {split}"
+    else:
+        docs = T.heldout_documents()
+        docs_source = f"default corpus, test split of {T.HELDOUT_SPLIT}"
     results: Dict[str, Dict] = {}
     if "heldout" in tasks:
         if text_file is not None:
             with open(text_file, encoding="utf-8") as f:
                 texts, source = [f.read()], os.path.abspath(text_file)
         else:
-            texts = T.heldout_documents(heldout_bytes) if heldout_bytes else docs
-            source = f"default corpus, test split of {T.HELDOUT_SPLIT}"
+            texts = T.first_bytes(docs, heldout_bytes) if heldout_bytes else docs
+            source = docs_source
         results["heldout"] = {"source": source, **perplexity(scorer, tok, texts)}
+    def need(items, task):
+        if not items:
+            raise ValueError(f"{task}: no item can be built from {docs_source} (too few or too "
+                             f"short documents); leave the task out with --tasks")
+        return items
+
     if "last_word" in tasks:
-        items = T.last_word_items(docs, limit, seed)
-        results["last_word"] = {"items_digest": T.items_digest(items),
+        items = need(T.last_word_items(docs, limit, seed), "last_word")
+        results["last_word"] = {"source": docs_source, "items_digest": T.items_digest(items),
                                 **last_word(scorer, tok, items)}
     if "next_line" in tasks:
-        items = T.next_line_items(docs, limit, seed)
-        results["next_line"] = {"items_digest": T.items_digest(items),
+        items = need(T.next_line_items(docs, limit, seed), "next_line")
+        results["next_line"] = {"source": docs_source, "items_digest": T.items_digest(items),
                                 **next_line(scorer, tok, items)}
     import platform
 
@@ -259,7 +277,9 @@ def run_eval(path: str, tasks: Sequence[str] = TASKS, *, text_file: Optional[str
             "settings": {"limit": limit, "seed": seed, "max_length": window,
                          "batch_size": batch_size, "device": device,
                          "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                         "heldout_bytes": heldout_bytes,
+                         "heldout_bytes": heldout_bytes, "data_path": data_path,
+                         "split": split if data_path else None,
+                         "split_part": split_part if data_path else None,
                          "python": platform.python_version()},
             "tasks": results, "seconds": round(time.perf_counter() - t0, 2)}
 

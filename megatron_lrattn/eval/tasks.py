@@ -10,6 +10,10 @@ Python versions, so results are comparable at one digest).
 
 Tasks:
 
+With ``lrattn-eval --data-path`` the text is instead one split part (valid by default) of
+a preprocessed dataset, decoded with the model's tokenizer (``dataset_documents``), so a
+model trained on other data is scored on its own held-out documents.
+
 * ``heldout``: held-out documents (or a text file) for perplexity and bits per byte.
 * ``last_word``: cloze; the context ends just before a line's last identifier, which also
   occurs earlier in the context; the model must produce it greedily (LAMBADA's rule).
@@ -74,10 +78,13 @@ def heldout_documents(max_bytes: Optional[int] = None) -> List[str]:
 
     docs = [text for _, text in iter_stdlib_documents(DEFAULT_MAX_BYTES)]
     held = [docs[i] for i in split_range(len(docs))]
-    if max_bytes is None:
-        return held
+    return held if max_bytes is None else first_bytes(held, max_bytes)
+
+
+def first_bytes(docs: Sequence[str], max_bytes: int) -> List[str]:
+    """The documents up to ``max_bytes`` UTF-8 bytes in all (the last one cut at a line end)."""
     out, total = [], 0
-    for text in held:
+    for text in docs:
         raw = text.encode("utf-8")
         if total + len(raw) > max_bytes:
             cut = raw[: max_bytes - total].decode("utf-8", errors="ignore")
@@ -87,6 +94,41 @@ def heldout_documents(max_bytes: Optional[int] = None) -> List[str]:
             break
         out.append(text)
         total += len(raw)
+    return out
+
+
+SPLIT_PARTS = ("train", "valid", "test")
+
+
+def dataset_documents(prefix: str, split: str, part: str, decode) -> List[str]:
+    """Texts of one split part of an ``lrattn-preprocess`` / Megatron indexed dataset.
+
+    Args:
+        prefix: the dataset's path prefix (``PREFIX.bin`` / ``PREFIX.idx``).
+        split: the shares that training used (``--split``, e.g. ``98,2,0``); the documents
+            of ``part`` are the ones megatron-core's dataset builder puts there.
+        part: ``train``, ``valid`` or ``test``.
+        decode: token ids (a list of int) -> text; the training tokenizer's decode, special
+            tokens (the end-of-document token) left out.
+
+    Raises:
+        ValueError: a missing dataset, an unknown part, or an empty part.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if part not in SPLIT_PARTS:
+        raise ValueError(f"split part {part!r}: use one of {', '.join(SPLIT_PARTS)}")
+    if not (IndexedDataset.exists(prefix)):
+        raise ValueError(f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx")
+    ds = IndexedDataset(prefix, mmap=True)
+    bounds = ds.document_indices
+    docs = split_range(len(bounds) - 1, split, SPLIT_PARTS.index(part))
+    if not len(docs):
+        raise ValueError(f"--split {split}: the {part} part of {prefix} holds no document")
+    out = []
+    for d in docs:
+        ids = [int(t) for i in range(int(bounds[d]), int(bounds[d + 1])) for t in ds[i]]
+        out.append(decode(ids))
     return out
 
 

@@ -85,7 +85,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
                             f"({args.train_iters})]")
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
     """``--split``: up to three non-negative shares (train, valid, test); train and valid
     must be non-empty (the run trains and evaluates)."""
     if not isinstance(split, str) or not _SPLIT.fullmatch(split):
@@ -295,7 +295,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.depth_scale) and args.depth_scale > 0):
         raise ArgumentError(f"--depth-scale {args.depth_scale} must be a finite number > 0")
     _check_numbers(args)
-    _check_split(args.split)
+    check_split(args.split)
     _check_layout(args)
     _check_recompute(args)
     _check_transformer_engine(args)

@@ -296,6 +296,7 @@ study_eval() {  # TOKENIZER NAME...: each saved run -> lrattn-convert-hf -> lrat
                 --tokenizer "$tok"
             [ "$status" -eq 0 ] && step "lrattn-eval $name" "${EVAL_S:-300}" python3 -m \
                 megatron_lrattn.cli.eval "/tmp/study/hf_$name" --output "$dest/${name}_eval.json" \
+                --data-path "$prefix" --split 98,2,0 --split-part valid \
                 --limit "${EVAL_LIMIT:-500}" --no-progress
             exit "$status"
         ) >/dev/null 2>&1 &
