@@ -6,6 +6,7 @@
 #   kernels     the depth-read kernel table against peers
 #   block       the two-phase depth-block benchmark
 #   profile     lrattn-profile at a preset (arms built side by side, run alternating)
+#   bench       bench_step.py against compiled plain PyTorch and lrattn-profile, every preset
 #   train       N iterations of a preset per arm, median step times
 #   parallel    TP=2 / PP=2 loss curves against one GPU, GPU determinism (two GPUs)
 #   study       the multi-seed quality study (docs/results.md)
@@ -16,7 +17,7 @@
 # plus $OUT/results.tgz (a call brings back at most 8 files, two folders down).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-SUITE=${1:?usage: run.sh SUITE [ARGS...] (tests kernels block profile train parallel study te)}
+SUITE=${1:?usage: run.sh SUITE [ARGS...] (tests kernels block profile bench train parallel study te)}
 shift
 if [ -n "${PACK:-}" ]; then
     real=${OUT:-/tmp/lrattn_out} scratch=$(mktemp -d /tmp/lrattn_pack.XXXX)
@@ -116,6 +117,33 @@ suite_profile() {  # [lrattn-profile flags, which win over the defaults]
                 -m megatron_lrattn.cli.profile "${base[@]}" "${pp[@]}" "$@" "${io[@]}" ;;
         *) log "unknown layout $layout (1gpu, pp2, pp2vp)"; status=2 ;;
         esac
+    done
+}
+
+suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
+    # Per preset in PRESETS: benchmarks/bench_step.py (BENCH_ARMS beside the compiled
+    # plain-PyTorch model, alternating, kernel tables) where two models fit one GPU, then
+    # lrattn-profile for all four arms. 4b runs lrattn-profile only (--sequential): one 4b
+    # model with its optimizer is about 56 GB, so two do not fit beside the activations.
+    local preset flags common=(--no-qk-layernorm --vocab-size 32768 --warmup-steps 4)
+    for preset in ${PRESETS:-0.5b 1b 4b}; do
+        case $preset in
+        4b) flags=(--micro-batch-size 1 --global-batch-size 1 --tensor-model-parallel-size 1
+                   --pipeline-model-parallel-size 1) ;;
+        *) flags=(--micro-batch-size 8 --global-batch-size 8) ;;
+        esac
+        if [ "$preset" != 4b ]; then
+            step "bench_step.py, $preset" "${BENCH_S:-300}" python3 benchmarks/bench_step.py \
+                --preset "$preset" "${flags[@]}" "${common[@]}" \
+                --arms "${BENCH_ARMS:-standard,lr_attnres}" --rounds 5 --steps-per-round 3 \
+                --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv"
+        fi
+        local seq=()
+        [ "$preset" = 4b ] && seq=(--sequential)
+        step "lrattn-profile, $preset, four arms" "${PROFILE_S:-420}" python3 -m \
+            megatron_lrattn.cli.profile --preset "$preset" "${flags[@]}" "${common[@]}" \
+            --arms standard,attnres,lr_attnres,lr_attnres_projected --rounds 3 \
+            --steps-per-round 3 "${seq[@]}" --json "$OUT/profile_$preset.json"
     done
 }
 
@@ -406,7 +434,7 @@ suite_te() {  # carry NN | build | train
 }
 
 case $SUITE in
-tests|kernels|block|profile|train|parallel|study|te) ;;
+tests|kernels|block|profile|bench|train|parallel|study|te) ;;
 *) echo "unknown suite '$SUITE' (tests kernels block profile train parallel study te)" >&2; exit 2 ;;
 esac
 {
