@@ -35,9 +35,13 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export LRATTN_CACHE=${LRATTN_CACHE:-/tmp/lrattn_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# .whl/ds/*.whl: DeepSpeed and the packages it needs that the box lacks, carried only for
+# tests/test_deepspeed.py (tools/gpu_box/README.md)
 if [ -z "${NO_WHEEL:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
+    wheels=(.whl/*.whl)
+    compgen -G ".whl/ds/*.whl" >/dev/null && wheels+=(.whl/ds/*.whl)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/lrattn_site .whl/*.whl || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+        --target /tmp/lrattn_site "${wheels[@]}" || { echo "installing ${wheels[*]} failed" >&2; exit 1; }
     export PYTHONPATH="$PYTHONPATH:/tmp/lrattn_site"
 fi
 [ -f /tmp/te_env.sh ] && . /tmp/te_env.sh   # written by `te build` on this machine
