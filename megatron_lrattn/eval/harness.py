@@ -248,6 +248,14 @@ def run_eval(path: str, tasks: Sequence[str] = TASKS, *, text_file: Optional[str
     else:
         docs = T.heldout_documents()
         docs_source = f"default corpus, test split of {T.HELDOUT_SPLIT}"
+    # items first, so that a text too small for a task stops before any scoring
+    items: Dict[str, list] = {}
+    for task, build in (("last_word", T.last_word_items), ("next_line", T.next_line_items)):
+        if task in tasks:
+            items[task] = build(docs, limit, seed)
+            if not items[task]:
+                raise ValueError(f"{task}: no item can be built from {docs_source} (too few or "
+                                 f"too short documents); leave the task out with --tasks")
     results: Dict[str, Dict] = {}
     if "heldout" in tasks:
         if text_file is not None:
@@ -257,20 +265,14 @@ def run_eval(path: str, tasks: Sequence[str] = TASKS, *, text_file: Optional[str
             texts = T.first_bytes(docs, heldout_bytes) if heldout_bytes else docs
             source = docs_source
         results["heldout"] = {"source": source, **perplexity(scorer, tok, texts)}
-    def need(items, task):
-        if not items:
-            raise ValueError(f"{task}: no item can be built from {docs_source} (too few or too "
-                             f"short documents); leave the task out with --tasks")
-        return items
-
     if "last_word" in tasks:
-        items = need(T.last_word_items(docs, limit, seed), "last_word")
-        results["last_word"] = {"source": docs_source, "items_digest": T.items_digest(items),
-                                **last_word(scorer, tok, items)}
+        results["last_word"] = {"source": docs_source,
+                                "items_digest": T.items_digest(items["last_word"]),
+                                **last_word(scorer, tok, items["last_word"])}
     if "next_line" in tasks:
-        items = need(T.next_line_items(docs, limit, seed), "next_line")
-        results["next_line"] = {"source": docs_source, "items_digest": T.items_digest(items),
-                                **next_line(scorer, tok, items)}
+        results["next_line"] = {"source": docs_source,
+                                "items_digest": T.items_digest(items["next_line"]),
+                                **next_line(scorer, tok, items["next_line"])}
     import platform
 
     return {"model": os.path.abspath(path), "model_type": model_type,
