@@ -31,6 +31,8 @@ if [ -n "${PACK:-}" ]; then
 fi
 
 OUT=${OUT:-/tmp/lrattn_out}
+# the study's corpora, run logs, checkpoints and exports (two studies at once need two)
+STUDY_TMP=${STUDY_TMP:-/tmp/study}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 export LRATTN_CACHE=${LRATTN_CACHE:-/tmp/lrattn_cache}
@@ -249,14 +251,14 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
         done
         lrs=per-arm
     fi
-    mkdir -p "$OUT/study" /tmp/study
+    mkdir -p "$OUT/study" "$STUDY_TMP"
     case ${CORPUS:-code} in
     code) study_code_data ;;
     prose) study_prose_data || return 2 ;;
     *) log "study: unknown CORPUS=$CORPUS (code or prose)"; return 2 ;;
     esac
     # checkpoints and Hugging Face exports of an earlier call on this machine
-    rm -rf /tmp/study/ckpt_* /tmp/study/hf_* /tmp/study/eval_*
+    rm -rf "$STUDY_TMP"/ckpt_* "$STUDY_TMP"/hf_* "$STUDY_TMP"/eval_*
     log "study: corpus ${CORPUS:-code}, $preset, $iters iterations, arms $arms," \
         "LRs ${ARM_LRS:-$lrs}, seeds $seeds"
     for seed in $seeds; do
@@ -275,14 +277,14 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
                     name=${arm}_lr${lr}_seed$seed
                 else
                     name=${arm}_seed$seed
-                    save=(--save "/tmp/study/ckpt_$name") saved+=("$name")
+                    save=(--save "$STUDY_TMP/ckpt_$name") saved+=("$name")
                 fi
                 # shellcheck disable=SC2086
                 CUDA_VISIBLE_DEVICES=$((i % slots)) OMP_NUM_THREADS=2 pretrain --preset "$preset" \
                     ${flags[$arm]} "${lrflags[@]}" --seed "$seed" --train-iters "$iters" \
                     --data-path "$prefix" --tokenizer-model "$tok" --split 98,2,0 "${save[@]}" \
                     --depth-schedule "${SCHEDULE:-per_site}" \
-                    --log-json "$OUT/study/$name.jsonl" >"/tmp/study/$name.out" 2>&1 &
+                    --log-json "$OUT/study/$name.jsonl" >"$STUDY_TMP/$name.out" 2>&1 &
                 pids+=($!) runs+=("$name") i=$((i + 1))
                 while [ "$(jobs -rp | wc -l)" -ge $((${PER_GPU:-6} * slots)) ]; do sleep 2; done
             done
@@ -293,12 +295,12 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
     if [ "$fail" -ne 0 ]; then
         status=1
         for name in "${runs[@]}"; do
-            log "== last lines of /tmp/study/$name.out"; tail -3 "/tmp/study/$name.out" | tee -a "$OUT/log"
+            log "== last lines of $STUDY_TMP/$name.out"; tail -3 "$STUDY_TMP/$name.out" | tee -a "$OUT/log"
         done
     fi
     for arm in attnres lr_sliced lr_projected; do
-        [ -d "/tmp/study/ckpt_${arm}_seed1" ] && step "lrattn-analyze $arm (seed 1)" 300 \
-            python3 -m megatron_lrattn.cli.analyze "/tmp/study/ckpt_${arm}_seed1" \
+        [ -d "$STUDY_TMP/ckpt_${arm}_seed1" ] && step "lrattn-analyze $arm (seed 1)" 300 \
+            python3 -m megatron_lrattn.cli.analyze "$STUDY_TMP/ckpt_${arm}_seed1" \
             --out "$OUT/study/analyze_$arm" --num-batches 4 --no-progress
     done
     [ "${EVAL:-1}" != 0 ] && [ ${#saved[@]} -gt 0 ] && study_eval "$tok" "${saved[@]}"
@@ -312,22 +314,22 @@ study_eval() {  # TOKENIZER NAME...: each saved run -> lrattn-convert-hf -> lrat
     shift
     local names=() pids=() jobs=${EVAL_JOBS:-$((${PER_GPU:-6} * slots))}
     for name in "$@"; do
-        if [ ! -d "/tmp/study/ckpt_$name" ]; then
+        if [ ! -d "$STUDY_TMP/ckpt_$name" ]; then
             log "== convert and evaluate $name: skipped, no checkpoint"
             status=1
             continue
         fi
-        d=/tmp/study/eval_$name
+        d=$STUDY_TMP/eval_$name
         mkdir -p "$d"
         (
             # step's log and status, for this run only; the exit code carries the status
             OUT=$d status=0
             export CUDA_VISIBLE_DEVICES=$((n % slots)) OMP_NUM_THREADS=2
             step "lrattn-convert-hf $name" "${EVAL_S:-300}" python3 -m \
-                megatron_lrattn.cli.convert_hf "/tmp/study/ckpt_$name" "/tmp/study/hf_$name" \
+                megatron_lrattn.cli.convert_hf "$STUDY_TMP/ckpt_$name" "$STUDY_TMP/hf_$name" \
                 --tokenizer "$tok"
             [ "$status" -eq 0 ] && step "lrattn-eval $name" "${EVAL_S:-300}" python3 -m \
-                megatron_lrattn.cli.eval "/tmp/study/hf_$name" --output "$dest/${name}_eval.json" \
+                megatron_lrattn.cli.eval "$STUDY_TMP/hf_$name" --output "$dest/${name}_eval.json" \
                 --data-path "$prefix" --split 98,2,0 --split-part valid \
                 --limit "${EVAL_LIMIT:-500}" --no-progress
             exit "$status"
@@ -337,7 +339,7 @@ study_eval() {  # TOKENIZER NAME...: each saved run -> lrattn-convert-hf -> lrat
     done
     for n in "${!pids[@]}"; do
         wait "${pids[$n]}"; rc=$?
-        tee -a "$OUT/log" <"/tmp/study/eval_${names[$n]}/log"
+        tee -a "$OUT/log" <"$STUDY_TMP/eval_${names[$n]}/log"
         [ "$rc" -eq 0 ] || status=1
     done
 }
@@ -345,20 +347,20 @@ study_eval() {  # TOKENIZER NAME...: each saved run -> lrattn-convert-hf -> lrat
 study_code_data() {  # sets tok and prefix: the box's own .py files, the embedded tokenizer
     tok=$(default_data)
     # the box's own .py files (standard library and site-packages): the largest real text there
-    CORPUS_MB="${CORPUS_MB:-}" python3 - <<'PY' 2>&1 | tee -a "$OUT/log"
+    CORPUS_MB="${CORPUS_MB:-}" STUDY_TMP="$STUDY_TMP" python3 - <<'PY' 2>&1 | tee -a "$OUT/log"
 import os
 import sysconfig
 from megatron_lrattn.data.corpus import write_stdlib_corpus
 paths = sysconfig.get_paths()
 cap = int(float(os.environ["CORPUS_MB"]) * 1e6) if os.environ.get("CORPUS_MB") else None
 for name, root in (("stdlib", paths["stdlib"]), ("site", paths["purelib"])):
-    s = write_stdlib_corpus(f"/tmp/study/{name}.jsonl", max_bytes=cap, root=root)
+    s = write_stdlib_corpus(f"{os.environ['STUDY_TMP']}/{name}.jsonl", max_bytes=cap, root=root)
     print(f"corpus {name}: {root}: {s.documents} documents, {s.num_bytes / 1e6:.1f} MB")
 PY
     step "lrattn-preprocess the study corpus" 600 python3 -m megatron_lrattn.cli.preprocess \
-        --input /tmp/study/stdlib.jsonl /tmp/study/site.jsonl --output-prefix /tmp/study/pycode \
+        --input "$STUDY_TMP/stdlib.jsonl" "$STUDY_TMP/site.jsonl" --output-prefix "$STUDY_TMP/pycode" \
         --tokenizer "$tok" --workers 24 --no-progress
-    prefix=$(ls /tmp/study/pycode*.bin | head -1); prefix=${prefix%.bin}
+    prefix=$(ls "$STUDY_TMP"/pycode*.bin | head -1); prefix=${prefix%.bin}
 }
 
 study_prose_data() {  # sets tok and prefix: PROSE_DIR from tools/build_prose_corpus.py
@@ -375,9 +377,9 @@ study_prose_data() {  # sets tok and prefix: PROSE_DIR from tools/build_prose_co
     log "corpus prose: $dir/prose.jsonl.gz, sha256 $have, $(du -h "$dir/prose.jsonl.gz" | cut -f1)"
     tok=$dir/tokenizer
     step "lrattn-preprocess the prose corpus" 600 python3 -m megatron_lrattn.cli.preprocess \
-        --input "$dir/prose.jsonl.gz" --output-prefix /tmp/study/prose --tokenizer "$tok" \
+        --input "$dir/prose.jsonl.gz" --output-prefix "$STUDY_TMP/prose" --tokenizer "$tok" \
         --workers "${WORKERS:-14}" --no-progress
-    prefix=/tmp/study/prose_text_document
+    prefix=$STUDY_TMP/prose_text_document
     [ -f "$prefix.bin" ] || { log "study: preprocessing wrote no $prefix.bin"; return 2; }
 }
 
