@@ -60,7 +60,8 @@ step() {
     local name=$1 limit=$2
     shift 2
     log "== $name ($(date -u +%T), limit ${limit}s)"
-    if ! timeout "$limit" "$@" 2>&1 | { grep -v -i "warn" || true; } | tee -a "$OUT/log"; then
+    # bash -c: CMD may be one of the functions below (exported after their definitions)
+    if ! timeout "$limit" bash -c '"$@"' step "$@" 2>&1 | { grep -v -i "warn" || true; } | tee -a "$OUT/log"; then
         log "== $name FAILED or timed out"
         status=1
     fi
@@ -73,6 +74,7 @@ clocks() {
 pytest_() { python3 -m pytest -q -p no:cacheprovider -rfE "$@"; }
 pretrain() { python3 -m megatron_lrattn.cli.pretrain --no-progress "$@"; }
 torchrun_() { python3 -m torch.distributed.run --standalone --nproc-per-node "$@"; }
+export -f pytest_ pretrain torchrun_
 table() { python3 "$HERE/metrics.py" table "$@" | tee -a "$OUT/log"; }
 default_data() {  # the embedded corpus and tokenizer, built once per machine; prints the tokenizer
     python3 -c "from megatron_lrattn.data.default_corpus import ensure_default_data as e; print(e().tokenizer_dir)" \
