@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -323,3 +324,17 @@ def test_study_report_adds_downstream_columns_from_eval_files(tmp_path):
                         "1.3000 ± 0.1414 | 0.3200 ± 0.0283 | 0.5200 ± 0.0283 | "
                         "0.4200 ± 0.0283 |")
     assert lines[3].endswith("| 1.0000 | 0.4000 | 0.6000 | 0.5800 |")
+
+
+def test_study_report_welch_t_matches_the_formula_and_lists_the_papers_pairs(tmp_path):
+    a, b = [1.0, 1.2, 1.1], [2.0, 2.4]
+    se = (statistics.variance(a) / 3 + statistics.variance(b) / 2) ** 0.5
+    assert report.welch_t(a, b) == pytest.approx((1.1 - 2.2) / se)
+    assert report.welch_t([1.0], b) is None and report.welch_t([1.0, 1.0], [2.0, 2.0]) is None
+    arms = {name: {"mean": statistics.fmean(v), "label": name,
+                   "final_valid_loss": dict(enumerate(v, 1))}
+            for name, v in (("standard", b), ("lr_sliced", a))}
+    rows = report.comparisons(arms)
+    assert [(r["a"], r["b"]) for r in rows] == [("lr_sliced", "standard")]
+    assert rows[0]["diff"] == pytest.approx(-1.1) and rows[0]["n_a"] == 3
+    assert "Welch t" in report.comparison_table({"arms": arms, "comparisons": rows})

@@ -1,6 +1,7 @@
 """Summarise a quality study: final validation loss per arm (mean, sd, every seed), loss
 curves, and the ordering of the arms; for a learning-rate sweep, the loss per arm and LR
-and each arm's best LR; with evaluations, downstream accuracy and bits per byte per arm.
+and each arm's best LR; differences of means with Welch's t for the paper's comparisons;
+with evaluations, downstream accuracy and bits per byte per arm.
 
 Reads ``<dir>/<arm>_seed<k>.jsonl`` or ``<dir>/<arm>_lr<LR>_seed<k>.jsonl``
 (``lrattn-pretrain --log-json`` files, as written by ``tools/gpu_box/run.sh study``) and,
@@ -153,7 +154,52 @@ def summarise(runs: Dict[str, Dict[int, List[dict]]],
             sweep.setdefault(base, {"losses": {}})["losses"][lr] = info["mean"]
     for entry in sweep.values():
         entry["best_lr"] = min(entry["losses"], key=entry["losses"].get)
-    return {"arms": arms, "ranking_by_mean": ranked, "sweep": sweep}
+    return {"arms": arms, "ranking_by_mean": ranked, "sweep": sweep,
+            "comparisons": comparisons(arms)}
+
+
+# the differences the paper's claims are about: each depth arm against the standard
+# residual, and LR-AttnRes against AttnRes
+PAIRS = (("attnres", "standard"), ("lr_sliced", "standard"), ("lr_projected", "standard"),
+         ("lr_sliced", "attnres"), ("lr_projected", "attnres"))
+
+
+def welch_t(a: List[float], b: List[float]) -> Optional[float]:
+    """Welch's t of mean(a) - mean(b) (unequal variances); None with fewer than two values
+    on a side or zero spread on both."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    se2 = statistics.variance(a) / len(a) + statistics.variance(b) / len(b)
+    if se2 == 0:
+        return None
+    return (statistics.fmean(a) - statistics.fmean(b)) / se2 ** 0.5
+
+
+def comparisons(arms: Dict[str, dict]) -> List[dict]:
+    """Per pair of ``PAIRS`` present (plain arms, not sweep arms): difference of the mean
+    final validation losses, Welch's t and the seed counts."""
+    out = []
+    for a, b in PAIRS:
+        if a not in arms or b not in arms or arms[a]["mean"] is None or arms[b]["mean"] is None:
+            continue
+        va, vb = list(arms[a]["final_valid_loss"].values()), list(arms[b]["final_valid_loss"].values())
+        out.append({"a": a, "b": b, "diff": arms[a]["mean"] - arms[b]["mean"],
+                    "welch_t": welch_t(va, vb), "n_a": len(va), "n_b": len(vb)})
+    return out
+
+
+def comparison_table(summary: dict) -> str:
+    """Markdown table of ``comparisons``; empty when there are none."""
+    rows = summary.get("comparisons") or []
+    if not rows:
+        return ""
+    arms = summary["arms"]
+    lines = ["| difference of means | value | Welch t | seeds |", "|---|---|---|---|"]
+    for r in rows:
+        t = "-" if r["welch_t"] is None else f"{r['welch_t']:.2f}"
+        lines.append(f"| {arms[r['a']]['label']} - {arms[r['b']]['label']} | {r['diff']:+.4f} "
+                     f"| {t} | {r['n_a']} + {r['n_b']} |")
+    return "\n".join(lines)
 
 
 def sweep_table(summary: dict) -> str:
@@ -275,6 +321,9 @@ def main(argv=None) -> int:
     summary = summarise(runs, evals)
     (out / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = table(summary)
+    diffs = comparison_table(summary)
+    if diffs:
+        text += "\n\n" + diffs
     (out / "study_table.md").write_text(text + "\n")
     print(text)
     sweep = sweep_table(summary)
