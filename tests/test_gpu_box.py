@@ -83,3 +83,13 @@ def test_metrics_table_and_compare(tmp_path):
                          check=True).stdout.splitlines()
     assert out[0].endswith("bitwise equal")
     assert "max |dloss|/loss 2.00e-01" in out[1] and "bitwise" not in out[1]
+
+
+def test_steps_run_the_drivers_own_functions(tmp_path):
+    """``step`` runs its command under ``timeout``, which cannot start a shell function:
+    the ``tests`` suite's ``pytest_`` steps must reach pytest (here: the one GPU test of
+    the selection, skipped on a machine without CUDA, or run where there is one)."""
+    proc = _run("tests", "-k", "test_zero2_and_zero3_follow_plain_pytorch", out=tmp_path)
+    log = (tmp_path / "log").read_text()
+    assert "failed to run command" not in log + proc.stderr, log[-2000:]
+    assert "1 skipped" in log or "1 passed" in log or "1 failed" in log, log[-2000:]
