@@ -370,9 +370,10 @@ def test_second_writer_refused_and_ctrl_c_finalizes_the_pending_async_save(cache
                                  str(ckpt)], cache, tmp_path)
     last = _one_line(*finish(second))
     assert f"another run writes this folder (pid {first.pid} on " in last, last
-    first.send_signal(signal.SIGINT)
+    # Ctrl-C as a terminal sends it: to the whole process group, the writers included.
+    os.killpg(first.pid, signal.SIGINT)
     rc, _, err = finish(first)
-    assert rc == 130 and "Traceback" not in err, err[-3000:]
+    assert rc == 130 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     from megatron_lrattn.training.checkpoint_io import latest_checkpoint, read_meta
 
     meta = read_meta(latest_checkpoint(str(ckpt)))

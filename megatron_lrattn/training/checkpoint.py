@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lrattn.training import faults
+from megatron_lrattn.training.signals import interrupts_held
 from megatron_lrattn.training.durable import (
     disk_error,
     fsync_dir,
@@ -116,7 +117,9 @@ def save_checkpoint(save_dir: str, iteration: int, models: List, optimizer, sche
         **(records or {}),
     }
     finalize = partial(_finalize_save, save_dir, name, meta, keep_last)
-    with single_threaded_on_cpu():
+    # Ctrl-C waits for the save: raised inside os.fork's hooks (the writers fork) it
+    # would be dropped and the run would train on.
+    with single_threaded_on_cpu(), interrupts_held():
         try:
             if async_queue is None:
                 dist_checkpointing.save(state, tmp)
