@@ -3,18 +3,22 @@ PyTorch for comparison).
 
 The folder is what ``lrattn-convert-hf`` writes: a ``LlamaForCausalLM`` for the standard
 residual, our ``lrattn`` type (remote code in the folder) for AttnRes and LR-AttnRes. The
-batches are seeded random tokens (the same for every mode), so that the losses of ZeRO-2,
+batches are seeded Zipf-distributed tokens (the same for every mode), so that the losses of ZeRO-2,
 ZeRO-3 and plain PyTorch can be compared step by step.
 
-    # one GPU (torchrun / the deepspeed launcher set the rank variables on several)
+    # one GPU (torchrun / the deepspeed launcher set the rank variables on several); without
+    # CUDA it runs on the CPU (DeepSpeed's CPU accelerator, gloo)
     python examples/hf_deepspeed.py --model export/ --zero 2 --steps 20 --json zero2.json
     python examples/hf_deepspeed.py --model export/ --zero 3 --steps 20 --json zero3.json
     python examples/hf_deepspeed.py --model export/ --zero none --steps 20 --json plain.json
 
 DeepSpeed runs bf16 weights with fp32 master weights in its optimizer (torch's AdamW, no
 compiled DeepSpeed ops); the plain run keeps fp32 weights under bf16 autocast with torch's
-AdamW. Both clip the gradient norm at ``--clip-grad``. Needs CUDA and ``pip install
-deepspeed`` (not a dependency of megatron_lrattn).
+AdamW. Both clip the gradient norm at ``--clip-grad``. The depth queries of AttnRes and
+LR-AttnRes are fp32 in our model whatever its dtype; they form a parameter group of their
+own (no weight decay), and under ZeRO-3, which keeps every parameter in one flat buffer of
+one dtype, they are bf16 like the other weights. Needs ``pip install deepspeed`` (not a
+dependency of megatron_lrattn).
 """
 
 from __future__ import annotations
@@ -38,17 +42,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.1, help="(default: 0.1)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="(default: 1.0)")
     p.add_argument("--seed", type=int, default=1234, help="batches and dropout (default: 1234)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when there is a GPU, else the CPU (DeepSpeed's CPU "
+                        "accelerator over gloo) (default: auto)")
     p.add_argument("--json", default=None, help="write the losses and settings here")
     return p
 
 
 def _batches(vocab: int, args, device):
+    """Seeded tokens drawn from a Zipf law over the vocabulary (token i with weight
+    1 / (i + 1)): like text, a model can learn their frequencies, so the loss falls."""
     import torch
 
     g = torch.Generator().manual_seed(args.seed)
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     for _ in range(args.steps):
-        yield torch.randint(0, vocab, (args.batch_size, args.seq_length + 1),
-                            generator=g).to(device)
+        yield torch.multinomial(weights, args.batch_size * (args.seq_length + 1), replacement=True,
+                                generator=g).view(args.batch_size, -1).to(device)
 
 
 def main(argv=None) -> int:
@@ -66,27 +76,43 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    if not torch.cuda.is_available():
-        print("hf_deepspeed.py: error: needs a CUDA device", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("hf_deepspeed.py: error: --device cuda: no CUDA device here", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True,
-                                                 torch_dtype=torch.float32)
+    if args.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # fp32 weights (the dtype keyword changed names across transformers versions)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=True).float()
     vocab = model.config.vocab_size
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # Our depth queries (modeling_lrattn.DepthQuery): fp32 unless told otherwise.
+    queries = [m for m in model.modules() if hasattr(m, "keep_fp32")]
+    if args.zero == "3":
+        for m in queries:
+            m.keep_fp32 = False
+    in_queries = {id(p) for m in queries for p in m.parameters()}
+    params = [p for p in model.parameters() if id(p) not in in_queries]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if in_queries:
+        groups.append({"params": [p for m in queries for p in m.parameters()],
+                       "weight_decay": 0.0})
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     if args.zero == "none":
         model.to(device)
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
 
         def step(tokens):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
@@ -121,15 +147,17 @@ def main(argv=None) -> int:
 
     losses, times = [], []
     for i, tokens in enumerate(_batches(vocab, args, device)):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        loss = float(step(tokens))
-        torch.cuda.synchronize()
+        loss = float(step(tokens).detach())
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         print(f"step {i + 1}/{args.steps}  loss {loss:.4f}  {times[-1] * 1e3:.1f} ms", flush=True)
     report = {"model": os.path.abspath(args.model), "zero": args.zero, "losses": losses,
-              "step_s": times, "peak_memory_bytes": torch.cuda.max_memory_allocated(),
+              "step_s": times, "device": str(device),
+              "peak_memory_bytes": (torch.cuda.max_memory_allocated()
+                                    if device.type == "cuda" else None),
               "settings": {k: v for k, v in vars(args).items() if k not in ("json",)}}
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,6 @@
 """The exported HF model under DeepSpeed ZeRO-2 and ZeRO-3 (``examples/hf_deepspeed.py``):
-the same steps' losses as plain PyTorch within bf16 noise (GPU box, DeepSpeed installed),
-and the script's one-line errors on bad input (CPU)."""
+the same steps' losses as plain PyTorch within bf16 noise (on the CPU and on the GPU box,
+wherever DeepSpeed is installed), and the script's one-line errors on bad input."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,11 +25,20 @@ def _run(*argv, env=None):
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "/nonexistent-folder"], "no config.json"),
     (["--model", ".", "--steps", "0"], "--steps 0"),
+    (["--model", ".", "--device", "tpu"], "invalid choice"),
 ])
 def test_bad_input_is_one_line(argv, needle):
     r = _run(*argv)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert needle in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_asked_without_a_gpu_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    r = _run("--model", str(tmp_path), "--device", "cuda")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--device cuda: no CUDA device here" in r.stderr.strip().splitlines()[-1]
 
 
 def _export_tiny(out: Path) -> Path:
@@ -56,17 +65,23 @@ def _export_tiny(out: Path) -> Path:
     return out
 
 
-@pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed runs need a CUDA device")
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="DeepSpeed is not installed (pip install deepspeed)")
-def test_zero2_and_zero3_follow_plain_pytorch(tmp_path):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+def test_zero2_and_zero3_follow_plain_pytorch(tmp_path, device):
+    """ZeRO-2 and ZeRO-3 (bf16 weights, fp32 master copies) take the plain fp32 run's
+    steps: an LR-AttnRes export, whose depth queries are fp32 in every other mode."""
     model = _export_tiny(tmp_path / "export")
     losses = {}
     for zero in ("none", "2", "3"):
         out = tmp_path / f"{zero}.json"
-        r = _run("--model", str(model), "--zero", zero, "--steps", "12", "--json", str(out))
+        r = _run("--model", str(model), "--zero", zero, "--steps", "12", "--device", device,
+                 "--json", str(out))
         assert r.returncode == 0, r.stderr[-3000:]
         losses[zero] = json.loads(out.read_text())["losses"]
         print(zero, [round(x, 4) for x in losses[zero]])
@@ -75,4 +90,5 @@ def test_zero2_and_zero3_follow_plain_pytorch(tmp_path):
         # bf16 weights (DeepSpeed) against fp32 weights under bf16 autocast (plain)
         gaps = [abs(a - b) / abs(b) for a, b in zip(losses[zero], losses["none"])]
         assert max(gaps) < 2e-2, (zero, gaps)
-    assert losses["3"][-1] < losses["3"][0] - 0.1, losses["3"]
+    for zero in ("none", "2", "3"):  # Zipf-distributed tokens: the loss can fall
+        assert losses[zero][-1] < losses[zero][0] - 0.1, (zero, losses[zero])

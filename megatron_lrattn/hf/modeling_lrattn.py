@@ -119,13 +119,19 @@ class DepthState:
 
 
 class DepthQuery(nn.Module):
-    """One static query [r]; kept fp32 whatever dtype the model is cast to."""
+    """One static query [r]; kept fp32 whatever dtype the model is cast to, unless
+    ``keep_fp32`` is set to False (DeepSpeed ZeRO-3 holds every parameter in one flat buffer
+    of one dtype; its fp32 master copy then keeps the updates exact)."""
+
+    keep_fp32 = True
 
     def __init__(self, rank):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(rank, dtype=torch.float32))
 
     def _apply(self, fn, recurse=True):
+        if not self.keep_fp32:
+            return super()._apply(fn, recurse)
         return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
 
