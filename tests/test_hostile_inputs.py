@@ -358,7 +358,7 @@ def test_async_save_is_finalized_on_a_nonfinite_stop_and_resume_drops_replayed_r
 
 
 @pytest.mark.slow
-def test_second_writer_refused_and_ctrl_c_finalizes_the_pending_async_save(cache, tmp_path):
+def test_second_writer_refused_and_ctrl_c_saves_and_finalizes_the_async_saves(cache, tmp_path):
     ckpt = tmp_path / "live"
     first = _start("pretrain", ["--train-iters", "100000", "--save", str(ckpt),
                                 "--save-interval", "1", "--async-save"], cache, tmp_path)
@@ -372,10 +372,15 @@ def test_second_writer_refused_and_ctrl_c_finalizes_the_pending_async_save(cache
     assert f"another run writes this folder (pid {first.pid} on " in last, last
     # Ctrl-C as a terminal sends it: to the whole process group, the writers included.
     os.killpg(first.pid, signal.SIGINT)
-    rc, _, err = finish(first)
+    rc, out, err = finish(first)
     assert rc == 130 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     from megatron_lrattn.training.checkpoint_io import latest_checkpoint, read_meta
 
+    # A first Ctrl-C saves at the end of the iteration: that save is the latest.
+    assert "interrupt: saving a checkpoint at the end of this iteration" in err, err[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("checkpoint: ") and last.endswith(
+        os.path.basename(latest_checkpoint(str(ckpt)))), out[-3000:]
     meta = read_meta(latest_checkpoint(str(ckpt)))
     # Every save before the interrupt is complete: only a save cut inside its synchronous
     # part may be left as .tmp (ignored), never one whose background write was pending.

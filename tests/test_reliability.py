@@ -97,8 +97,9 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     """Wave 1: a run SIGKILLed inside its final save, an identical clean run, a save that
-    hits ENOSPC, non-finite stop and skip. Wave 2: resume of the killed run, a start
-    refused for lack of space on top of an existing checkpoint, an unwritable --save."""
+    hits ENOSPC, non-finite stop and skip, one and two Ctrl-Cs in iteration 2. Wave 2:
+    resume of the killed and of the once-interrupted run, a start refused for lack of
+    space on top of an existing checkpoint, an unwritable --save."""
     w = tmp_path_factory.mktemp("reliability")
     det = ["--deterministic", "--train-iters", "4"]
     wave1 = {
@@ -114,6 +115,11 @@ def runs(tmp_path_factory, cache_dir):
         "skip": _start(["--train-iters", "3", "--on-nonfinite", "skip", "--save", str(w / "skip"),
                         "--save-interval", "1", "--log-json", str(w / "skip.jsonl")], cache_dir,
                        w, fault="nan_loss@2"),
+        "ctrlc": _start([*det, "--save", str(w / "ctrlc"), "--log-json", str(w / "ctrlc.jsonl")],
+                        cache_dir, w, fault="interrupt@2"),
+        "ctrlc2": _start([*det, "--save", str(w / "ctrlc2"), "--save-interval", "1",
+                          "--log-json", str(w / "ctrlc2.jsonl")], cache_dir, w,
+                         fault="interrupt_twice@2"),
     }
     res = {k: _finish(p) for k, p in wave1.items()}
     res["kill_latest"] = (w / "kill" / "latest").read_text().strip()
@@ -121,6 +127,8 @@ def runs(tmp_path_factory, cache_dir):
     res["kill_tmp_meta"] = (w / "kill" / "iter_0000004.tmp" / "lrattn.json").is_file()
     res["enospc_tree"] = _tree_digest(w / "enospc")
     wave2 = {
+        "ctrlc_resume": _start([*det, "--load", str(w / "ctrlc"), "--save", str(w / "ctrlc"),
+                                "--log-json", str(w / "ctrlc_resume.jsonl")], cache_dir, w),
         "resume": _start(["--deterministic", "--train-iters", "4", "--load", str(w / "kill"),
                           "--save", str(w / "kill"), "--log-json", str(w / "resume.jsonl")],
                          cache_dir, w),
@@ -233,6 +241,38 @@ def test_nonfinite_loss_skip_leaves_optimizer_and_weights_untouched(runs, tmp_pa
     meta = [json.loads((w / "skip" / f"iter_000000{i}" / "lrattn.json").read_text())
             for i in (1, 2)]
     assert meta[0]["scheduler"] == meta[1]["scheduler"]
+
+
+@pytest.mark.slow
+def test_first_ctrl_c_saves_at_the_end_of_the_iteration_and_the_run_resumes_exactly(runs):
+    w = runs["work"]
+    rc, out, err = runs["ctrlc"]
+    assert rc == 130, err[-3000:]
+    assert _last_line(err) == "lrattn-pretrain: interrupted"
+    assert err.count("interrupt: saving a checkpoint at the end of this iteration") == 1, err
+    assert "checkpoint: " in out and out.strip().endswith("iter_0000002"), out
+    assert "(stopped at iteration 2 (interrupt)" in out, out
+    assert sorted(_train(w / "ctrlc.jsonl")) == [1, 2]
+    # The resumed run takes the uninterrupted run's steps, bit for bit.
+    rc, _, err = runs["ctrlc_resume"]
+    assert rc == 0, err[-3000:]
+    clean, resumed = _train(w / "clean.jsonl"), _train(w / "ctrlc_resume.jsonl")
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[i]["loss"] for i in (3, 4)] == [clean[i]["loss"] for i in (3, 4)]
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_at_once_without_saving(runs):
+    w = runs["work"]
+    rc, out, err = runs["ctrlc2"]
+    assert rc == 130, err[-3000:]
+    assert _last_line(err) == "lrattn-pretrain: interrupted"
+    assert "checkpoint: " not in out, out
+    # Interrupted inside iteration 2, before its optimizer step: iteration 1's save stays
+    # the latest, nothing of iteration 2 was written, the writer lock is released.
+    assert sorted(_train(w / "ctrlc2.jsonl")) == [1]
+    assert (w / "ctrlc2" / "latest").read_text().strip() == "iter_0000001"
+    assert sorted(p.name for p in (w / "ctrlc2").iterdir()) == ["iter_0000001", "latest"]
 
 
 @pytest.mark.slow

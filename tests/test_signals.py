@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from megatron_lrattn.training.signals import ExitSignalHandler, interrupts_held
+from megatron_lrattn.training.signals import (ExitSignalHandler, InterruptHandler, any_rank,
+                                              interrupts_held)
 
 # A SIGINT that arrives while os.fork runs its hooks: the handler's KeyboardInterrupt is
 # raised inside the hook, where Python prints it as "Exception ignored" and goes on.
@@ -115,3 +116,23 @@ def test_exit_signal_handler_records_sigterm_and_restores_the_previous_handler()
         os.kill(os.getpid(), signal.SIGTERM)
         assert handler.received()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_first_ctrl_c_is_recorded_and_the_second_raises(capfd):
+    with InterruptHandler() as handler:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert handler.received() and any_rank([False, True]) == [False, True]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert capfd.readouterr().err.count("interrupt: saving a checkpoint") == 1
+
+
+def test_ctrl_c_held_during_a_save_reaches_the_interrupt_handler():
+    with InterruptHandler() as handler:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            assert not handler.signalled
+        assert handler.signalled

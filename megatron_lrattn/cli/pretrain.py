@@ -15,7 +15,7 @@ from megatron_lrattn.cli.common import run_cli, setup_logging
 
 def final_lines(result) -> list:
     """What the run reports at its end: the validation losses, each with its iteration, and
-    the checkpoint. After an early stop (SIGTERM, ``--exit-interval``) without a validation
+    the checkpoint. After an early stop (SIGTERM, Ctrl-C, ``--exit-interval``) without a validation
     at the last iteration, says so instead of repeating an earlier number as final."""
     lines = []
     if result.first_valid_loss is not None:
@@ -68,11 +68,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 3
         finally:
             shutdown_runtime()
+        # a first Ctrl-C: saved, then stopped (every rank: the launcher sees an interrupt)
+        rc = 130 if result.stop_reason == "interrupt" else 0
         if os.environ.get("RANK", "0") != "0":
-            return 0
+            return rc
         for line in final_lines(result):
             print(line)
-        return 0
+        if rc:
+            print("lrattn-pretrain: interrupted", file=sys.stderr)
+        return rc
 
     return run_cli("lrattn-pretrain", _main,
                    (ArgumentError, ConfigError, DataError, CheckpointError))

@@ -303,7 +303,9 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    help="keep only the newest N complete checkpoints (default: all)")
     g.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
                    help="on SIGTERM save a checkpoint at the end of the current iteration and "
-                        "exit 0 (default: on when --save is given)")
+                        "exit 0; with --save a first Ctrl-C does the same and exits 130 (a "
+                        "second Ctrl-C stops at once, without saving) (default: on when "
+                        "--save is given)")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoint shards in a background process while training "
                         "continues (megatron's async dist_checkpointing; default: off)")

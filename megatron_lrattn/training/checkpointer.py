@@ -1,8 +1,9 @@
-"""When the training loop saves: every ``--save-interval``, at the end, and after SIGTERM.
+"""When the training loop saves: every ``--save-interval``, at the end, and after SIGTERM
+or a first Ctrl-C.
 
 :class:`Checkpointer` owns the save policy around :func:`~.checkpoint.save_checkpoint`:
-interval saves, the exit-signal handler (save at the end of the current iteration, then
-leave the loop), asynchronous saves (megatron's ``AsyncCallsQueue``: the shards are staged
+interval saves, the exit-signal handlers (SIGTERM, and with ``--save`` a first Ctrl-C:
+save at the end of the current iteration, then leave the loop), asynchronous saves (megatron's ``AsyncCallsQueue``: the shards are staged
 in host memory and written by a forked process while training continues; the previous save
 is finalized before the next starts and before the run ends; meant for GPU runs, and it also
 works on the CPU) and ``--keep-last`` pruning. A pending asynchronous save is finalized on
@@ -19,7 +20,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from megatron_lrattn.training.checkpoint import raise_write_error, save_checkpoint
-from megatron_lrattn.training.signals import ExitSignalHandler
+from megatron_lrattn.training.signals import ExitSignalHandler, InterruptHandler, any_rank
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Checkpointer:
         loaded: the iteration loaded from ``--load`` when that is the ``--save`` folder (it
             is not saved again unless training moved on).
 
-    The exit-signal handler is installed here (main thread only) and removed by
+    The exit-signal handlers are installed here (main thread only) and removed by
     :meth:`finish` or :meth:`abort`.
     """
 
@@ -57,8 +58,11 @@ class Checkpointer:
 
             self.queue = AsyncCallsQueue()
         self.handler: Optional[ExitSignalHandler] = None
+        self.interrupt: Optional[InterruptHandler] = None
         if args.exit_signal_handler and threading.current_thread() is threading.main_thread():
             self.handler = ExitSignalHandler().__enter__()
+            if self.save_dir:
+                self.interrupt = InterruptHandler().__enter__()
 
     def save(self, iteration: int, consumed_samples: int) -> str:
         """Save now (asynchronously with ``--async-save``); returns the checkpoint folder."""
@@ -95,9 +99,15 @@ class Checkpointer:
                 and iteration < self.args.train_iters):
             self.save(iteration, consumed_samples)
 
-    def exit_requested(self) -> bool:
-        """True on every rank once any rank got SIGTERM (a collective when the handler is on)."""
-        return self.handler is not None and self.handler.received()
+    def exit_requested(self) -> Optional[str]:
+        """Why to save and stop, on every rank once any rank got SIGTERM (``"exit signal"``)
+        or a first Ctrl-C (``"interrupt"``); None otherwise. A collective when the handlers
+        are on."""
+        if self.handler is None:
+            return None
+        term, interrupt = any_rank([self.handler.signalled,
+                                    self.interrupt is not None and self.interrupt.signalled])
+        return "exit signal" if term else "interrupt" if interrupt else None
 
     def finish(self, iteration: int, consumed_samples: int) -> Optional[str]:
         """Save the final state (unless this iteration was just saved), wait for async
@@ -132,8 +142,10 @@ class Checkpointer:
             self.close()
 
     def close(self) -> None:
-        """Remove the signal handler (idempotent)."""
-        if self.handler is not None:
-            self.handler.__exit__(None, None, None)
-            self.handler = None
+        """Remove the signal handlers (idempotent)."""
+        for name in ("interrupt", "handler"):
+            handler = getattr(self, name)
+            if handler is not None:
+                handler.__exit__(None, None, None)
+                setattr(self, name, None)
 

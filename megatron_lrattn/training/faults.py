@@ -13,6 +13,8 @@ items (``point=value`` for ``disk_free``):
 - ``inf_grad@N``: set one element of the first parameter's gradient to inf after backward
   of iteration N (the loss stays finite).
 - ``disk_free=BYTES``: report BYTES free on the ``--save`` file system.
+- ``interrupt@N`` / ``interrupt_twice@N``: send this process one / two SIGINTs (Ctrl-C)
+  after the forward and backward of iteration N, before its optimizer step.
 
 Nothing here runs unless the variable is set; production code calls these functions at
 fixed points and they return immediately.
@@ -70,6 +72,13 @@ def poison_loss(loss):
     if _due("nan_loss"):
         return loss * float("nan")
     return loss
+
+
+def interrupt() -> None:
+    """Send SIGINT to this process once (``interrupt``) or twice (``interrupt_twice``) when due."""
+    times = 2 if _due("interrupt_twice") else 1 if _due("interrupt") else 0
+    for _ in range(times):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next one is sent
 
 
 def poison_grads(models) -> None:

@@ -58,8 +58,8 @@ class TrainResult:
             (before ``iterations`` when the run stopped early between validations).
         iterations: the iteration the run ended at.
         checkpoint: the last checkpoint folder, or None.
-        stop_reason: why it stopped before ``--train-iters`` (``exit signal``,
-            ``--exit-interval N``), else None.
+        stop_reason: why it stopped before ``--train-iters`` (``exit signal`` for SIGTERM,
+            ``interrupt`` for a first Ctrl-C, ``--exit-interval N``), else None.
     """
 
     first_valid_loss: Optional[float]
@@ -389,10 +389,11 @@ def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, t
                         iteration, " (saving)" if args.save else "")
             stop_reason = f"--exit-interval {args.exit_interval}"
             break
-        if checkpointer.exit_requested():
-            logger.info("exit signal received: %s at iteration %d",
+        reason = checkpointer.exit_requested()
+        if reason:
+            logger.info("%s received: %s at iteration %d", reason,
                         "saving and exiting" if args.save else "exiting (no --save)", iteration)
-            stop_reason = "exit signal"
+            stop_reason = reason
             break
     if bar is not None:
         bar.close()

@@ -1,11 +1,12 @@
-"""Save-and-exit on SIGTERM (Megatron-LM's ``--exit-signal-handler``), and Ctrl-C held
-back while a checkpoint is written.
+"""Save-and-exit on SIGTERM (Megatron-LM's ``--exit-signal-handler``) and on a first Ctrl-C,
+and Ctrl-C held back while a checkpoint is written.
 
 Schedulers announce the end of a job with SIGTERM (SLURM: at the time limit or on
 ``scancel``, after ``--signal``; torchrun forwards it to its workers; Kubernetes on
 eviction). The handler only records the signal; the training loop asks at the end of every
 iteration whether any rank got it (one small all-reduce), and then every rank saves a
-checkpoint and leaves the loop together.
+checkpoint and leaves the loop together. With ``--save``, a first Ctrl-C does the same
+(:class:`InterruptHandler`); a second one stops at once.
 
 Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` wherever the main thread happens to be. While a
 checkpoint is written that can be inside one of ``os.fork``'s hooks (the asynchronous writer
@@ -22,7 +23,7 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,12 +58,41 @@ class ExitSignalHandler:
     def received(self, group: Optional[dist.ProcessGroup] = None) -> bool:
         """True on every rank when any rank has received the signal (a collective: call it
         on all ranks at the same point)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signalled
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return any_rank([self.signalled], group)[0]
+
+
+class InterruptHandler(ExitSignalHandler):
+    """Ctrl-C as a request to save and stop: the first SIGINT is recorded like SIGTERM (and
+    said in one line on stderr), a second one raises ``KeyboardInterrupt`` at once.
+
+    Processes forked while it is installed (data-loader workers) inherit it: they record
+    the first SIGINT silently and leave on the second.
+    """
+
+    NOTE = (b"interrupt: saving a checkpoint at the end of this iteration, then stopping "
+            b"(Ctrl-C again to stop now, without it)\n")
+
+    def __init__(self):
+        super().__init__(signal.SIGINT)
+        self._pid = os.getpid()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signalled:
+            raise KeyboardInterrupt
+        self.signalled = True
+        if os.getpid() == self._pid:
+            os.write(2, self.NOTE)  # no locks: safe wherever the main thread was stopped
+
+
+def any_rank(flags: Sequence[bool], group: Optional[dist.ProcessGroup] = None) -> List[bool]:
+    """Each flag OR-ed over the ranks of ``group`` (one small all-reduce when
+    ``torch.distributed`` is initialized: call it on all ranks at the same point)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [bool(f) for f in flags]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t.tolist()]
 
 
 @contextmanager

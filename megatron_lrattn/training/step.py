@@ -222,6 +222,7 @@ class TrainStep:
         else:
             losses = self._forward_backward(data_iterator, forward_only=False)
         faults.poison_grads(self.models)
+        faults.interrupt()
         loss = reduce_loss(losses)
         nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite)
         if nonfinite is not None:
