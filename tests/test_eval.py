@@ -4,6 +4,8 @@ on a Llama and on an lrattn export."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -215,3 +217,75 @@ def test_cli_scores_a_datasets_valid_part(llama_dir, dataset, tmp_path, capsys):
         assert main([llama_dir, *argv, "--no-progress"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert needle in err[-1] and "Traceback" not in "\n".join(err), err
+
+
+_FUZZ_VALUES = ["0", "1", "-1", "2", "7", "nan", "inf", "1e309", "1.5", "abc", "", "100,0,0",
+                "0,0,0", "1,1,1", "/nonexistent/x", "/sys/lrattn", "/dev/null", "cpu", "cuda",
+                "meta", "bogus", "heldout", "last_word,next_line", ",", "valid", "test",
+                "float16", "--", "\u00e9\u4e2d"]
+
+
+def test_cli_fuzzed_flags_score_or_refuse_in_one_line(llama_dir, tmp_path, capsys):
+    """Every flag with hostile values on a real (tiny) model: a result or a one-line
+    error (exit 2), never a traceback."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from megatron_lrattn.cli.eval import build_parser, main
+
+    # flag -> whether it takes a value (mostly given one, so that runs get past argparse)
+    flags = {s: a.nargs != 0 for a in build_parser()._actions for s in a.option_strings
+             if s.startswith("--") and s != "--help"}
+    pairs = st.lists(st.tuples(st.sampled_from(sorted(flags)), st.sampled_from(_FUZZ_VALUES),
+                               st.integers(0, 5)), max_size=3)
+    seen = {0: 0, 2: 0}
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(pairs)
+    def check(chosen):
+        argv = [llama_dir, "--limit", "2", "--heldout-bytes", "1500", "--no-progress",
+                "--output", str(tmp_path / "r.json")]
+        for flag, value, odd in chosen:
+            argv += [flag, value] if flags[flag] == bool(odd) else [flag]
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse: usage and one line, exit 2
+            rc = e.code
+        err = capsys.readouterr().err
+        assert rc in (0, 2), (argv, rc, err[-2000:])
+        assert "Traceback" not in err, (argv, err[-2000:])
+        if rc == 2:
+            assert err.strip().splitlines()[-1].startswith(("lrattn-eval: error:",)), (argv, err)
+        seen[rc] += 1
+
+    check()
+    assert seen[0] >= 10 and seen[2] >= 10, seen  # both outcomes were reached
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("device,needle", [
+    ("bogus", "--device bogus: expected cpu, cuda or cuda:N"),
+    ("meta", "--device meta: expected cpu, cuda or cuda:N"),
+    ("cuda:99", "--device cuda:99: this machine has"),
+])
+def test_cli_device_is_checked_in_one_line(llama_dir, device, needle, capsys):
+    from megatron_lrattn.cli.eval import main
+
+    assert main([llama_dir, "--device", device, "--no-progress"]) == 2
+    assert needle in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_cli_output_to_a_device_writes_through_it(llama_dir, tmp_path, capsys):
+    """``--output /dev/null`` discards the results; it must not replace the device by a
+    file (a rename over it would, as root)."""
+    from megatron_lrattn.cli.eval import main
+
+    assert main([llama_dir, "--tasks", "heldout", "--heldout-bytes", "1500", "--no-progress",
+                 "--output", "/dev/null"]) == 0
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    assert main([llama_dir, "--tasks", "heldout", "--heldout-bytes", "1500", "--no-progress",
+                 "--output", str(link)]) == 0
+    assert link.is_symlink() and "perplexity" in (tmp_path / "target.json").read_text()

@@ -60,6 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_device(device: str) -> None:
+    """``--device``: cpu, or cuda / cuda:N of a GPU that is there (one-line ValueError)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -86,6 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_lrattn.eval.harness import format_table, run_eval
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        check_device(device)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}.get(args.dtype)
         if args.dtype == "auto":
@@ -99,12 +116,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            progress=not args.no_progress)
         print(format_table(results))
         if args.output:
+            from megatron_lrattn.training.durable import replace_file
+
             out = os.path.abspath(args.output)
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            tmp = f"{out}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(results, f, indent=1)
-            os.replace(tmp, out)
+            replace_file(out, json.dumps(results, indent=1))
             print(f"wrote {out}")
         return 0
 

@@ -45,7 +45,14 @@ def fsync_dir(path: str) -> None:
 
 def replace_file(path: str, text: str) -> None:
     """Replace ``path`` by a file holding ``text``: write ``path.tmp``, fsync, rename,
-    fsync the folder."""
+    fsync the folder. A symbolic link is followed (its target is replaced); a path that is
+    not a regular file (``/dev/null``, a FIFO, ``/dev/stdout``) is written through, never
+    renamed over (as root a rename would replace the device itself)."""
+    path = os.path.realpath(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w") as f:
+            f.write(text)
+        return
     tmp = path + ".tmp"
     write_durably(tmp, text)
     os.replace(tmp, path)
