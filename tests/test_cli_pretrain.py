@@ -205,6 +205,22 @@ def test_help_is_fast_imports_no_megatron_and_shows_every_default(tmp_path):
     assert "tiny 4" in helps["num_layers"] or "from --preset tiny" in helps["num_layers"]
 
 
+@pytest.mark.parametrize("module", ["pretrain", "preprocess", "convert_hf", "convert_megatron",
+                                    "analyze", "eval", "flops", "plan", "profile"])
+def test_every_cli_help_imports_neither_torch_nor_megatron(module):
+    code = ("import contextlib, io, runpy, sys\n"
+            f"sys.argv = ['lrattn', '--help']\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try:\n"
+            f"        runpy.run_module('megatron_lrattn.cli.{module}', run_name='__main__')\n"
+            "    except SystemExit as e:\n"
+            "        code = e.code\n"
+            "heavy = sorted(m for m in ('torch', 'megatron.core', 'transformers') if m in sys.modules)\n"
+            "print('RESULT', code, 'usage:' in out.getvalue(), heavy)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split("RESULT", 1)[-1].strip() == "0 True []", (proc.stdout, proc.stderr)
+
+
 def test_parser_choices_equal_the_config_module():
     from megatron_lrattn.model import config
     from megatron_lrattn.training import arguments

@@ -219,21 +219,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parsed = []
 
     def _parse() -> int:
-        args = parse_args(argv)
-        if not args.no_plots:
-            require_matplotlib()
-        parsed.extend([args, *prepare(args)])
+        parsed.append(parse_args(argv))
         return 0
+
+    # The flags (and --help) first: nothing heavy is imported for them.
+    rc = run_cli(PROG, _parse, (AnalyzeArgumentError,))
+    if rc:
+        return rc
+    args = parsed[0]
 
     from megatron_lrattn.analysis.plots import PlotsUnavailable, require_matplotlib
     from megatron_lrattn.analysis.routing import AnalysisError
     from megatron_lrattn.training.checkpoint_io import CheckpointError
 
-    rc = run_cli(PROG, _parse, (AnalyzeArgumentError, AnalysisError, CheckpointError,
-                                PlotsUnavailable))
+    def _prepare() -> int:
+        if not args.no_plots:
+            require_matplotlib()
+        parsed.extend(prepare(args))
+        return 0
+
+    rc = run_cli(PROG, _prepare, (AnalyzeArgumentError, AnalysisError, CheckpointError,
+                                  PlotsUnavailable))
     if rc:
         return rc
-    args = parsed[0]
 
     from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError

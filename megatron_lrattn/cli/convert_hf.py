@@ -9,6 +9,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_lrattn.cli.common import run_cli, setup_logging
+from megatron_lrattn.training.arg_types import file_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "trust_remote_code=True)).")
     p.add_argument("checkpoint", help="--save folder (its 'latest' is used) or an iter_N folder")
     p.add_argument("output", help="Hugging Face folder to write")
-    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    p.add_argument("--max-shard-size", type=file_size, default="5GB",
+                   help="largest safetensors file: bytes, or a number with KB, MB, GB, TB, KiB, "
+                        "MiB, GiB or TiB (default 5GB)")
     p.add_argument("--format", dest="hf_format", choices=("auto", "llama", "lrattn"),
                    default="auto",
                    help="auto (default): LlamaForCausalLM when the model is a standard-residual "
@@ -35,12 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)  # --help before the heavy imports
     from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.data.errors import DataError
     from megatron_lrattn.hf.convert import ConversionError
     from megatron_lrattn.training.checkpoint_io import CheckpointError
-
-    args = build_parser().parse_args(argv)
 
     def _main() -> int:
         setup_logging()

@@ -29,11 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)  # --help before the heavy imports
     from megatron_lrattn.model.config import ConfigError
     from megatron_lrattn.hf.convert import ConversionError
     from megatron_lrattn.training.checkpoint_io import CheckpointError
-
-    args = build_parser().parse_args(argv)
 
     def _main() -> int:
         setup_logging()

@@ -61,14 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     p.add_argument("--chunk-size", type=int, default=64, help="documents per worker task")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="logging level, any case (default: WARNING)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (2 on bad input)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     if args.workers < 1 or args.chunk_size < 1:
         print("lrattn-preprocess: error: --workers and --chunk-size must be >= 1", file=sys.stderr)

@@ -230,7 +230,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit code."""
-    from megatron_lrattn.model.config import ConfigError
+    from megatron_lrattn.model.errors import ConfigError
     from megatron_lrattn.training.arguments import ArgumentError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -136,6 +136,8 @@ def _expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             files.extend(sorted(p for p in path.rglob("*") if p.is_file()))
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            raise DataError(f"input {path}: not a regular file or folder")
         else:
             raise DataError(f"input file not found: {path}")
     if not files:

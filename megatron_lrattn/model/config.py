@@ -8,14 +8,12 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lrattn.model.errors import ConfigError  # noqa: F401 - re-exported
+
 RESIDUAL_MODES = ("standard", "attnres", "lr_attnres")
 KEY_TYPES = ("sliced", "projected")
 DEPTH_BACKENDS = ("auto", "torch", "triton")
 DEPTH_SCHEDULES = ("auto", "per_site", "two_phase")
-
-
-class ConfigError(ValueError):
-    """A configuration value or combination is not allowed; the message says which and why."""
 
 
 def _bad(field: str, value, allowed: str) -> ConfigError:

@@ -36,3 +36,21 @@ def nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is not an integer >= 0")
     return value
+
+
+_SIZE_UNITS = {"": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+               "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def file_size(text: str) -> int:
+    """argparse type: a size in bytes > 0, as an integer or an integer with a unit (KB, MB,
+    GB, TB, KiB, MiB, GiB, TiB; case-insensitive), e.g. ``5GB``."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if unit not in _SIZE_UNITS or int(m.group(1)) == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size > 0 (bytes, or a number with KB, MB, GB, TB, KiB, MiB, "
+            f"GiB or TiB, e.g. 5GB)")
+    return int(m.group(1)) * _SIZE_UNITS[unit]
