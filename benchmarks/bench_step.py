@@ -144,9 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, rest = _own_flags(argv)
     args = parse_args(rest)
     if args.tensor_model_parallel_size * args.pipeline_model_parallel_size != 1:
-        raise SystemExit("bench_step.py: one GPU only (TP = PP = 1)")
+        print("bench_step.py: error: one GPU only (TP = PP = 1)", file=sys.stderr)
+        return 2
     if args.global_batch_size != args.micro_batch_size:
-        raise SystemExit("bench_step.py: one micro-batch per step (global = micro batch size)")
+        print(f"bench_step.py: error: one micro-batch per step: --global-batch-size "
+              f"{args.global_batch_size} must equal --micro-batch-size {args.micro_batch_size}",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         bench_common.use_cpu_smoke()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
