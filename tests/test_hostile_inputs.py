@@ -411,3 +411,48 @@ def test_converters_on_a_full_disk_leave_nothing(base, cache, tmp_path):
         assert os.listdir(disk) == []
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_loads_and_converts_and_refuses_writes(base, cache, tmp_path):
+    """The checkpoint on a file system mounted read-only (a shared dataset volume, a
+    snapshot): loading, converting and analysing read it and leave it as it was; saving,
+    logging or converting into it is one line, before any training."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(ro)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here (needs root)")
+    try:
+        shutil.copytree(base / "ckpt", ro / "ckpt")
+        assert subprocess.run(["mount", "-o", "remount,ro", str(ro)]).returncode == 0
+        before = _digest(ro)
+        ck = str(ro / "ckpt")
+        more = ["--train-iters", "3", "--use-checkpoint-opt_param-scheduler"]
+        procs = {
+            "resume-elsewhere": _start("pretrain", [*more, "--load", ck, "--save",
+                                                    str(tmp_path / "out")], cache, tmp_path),
+            "save-into": _start("pretrain", [*more, "--load", ck, "--save", ck],
+                                cache, tmp_path),
+            "log-into": _start("pretrain", [*more, "--load", ck, "--log-json",
+                                            str(ro / "m.jsonl")], cache, tmp_path),
+            "convert-from": _start("convert_hf", [ck, str(tmp_path / "hf")], cache, tmp_path,
+                                   pretrain=False),
+            "convert-into": _start("convert_hf", [ck, str(ro / "hf")], cache, tmp_path,
+                                   pretrain=False),
+            "analyze-from": _start("analyze", [ck, "--out", str(tmp_path / "an"), "--no-plots",
+                                               "--num-batches", "1"], cache, tmp_path,
+                                   pretrain=False),
+        }
+        res = {k: finish(p) for k, p in procs.items()}
+        for name in ("resume-elsewhere", "convert-from", "analyze-from"):
+            rc, _, err = res[name]
+            assert rc == 0 and "Traceback" not in err, (name, err[-3000:])
+        assert (tmp_path / "out" / "latest").read_text().strip() == "iter_0000003"
+        for name in ("save-into", "log-into", "convert-into"):
+            last = _one_line(*res[name])
+            assert "not writable" in last and "Read-only file system" in last, (name, last)
+        assert "--log-json:" in _one_line(*res["log-into"])
+        assert _digest(ro) == before
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], capture_output=True)
