@@ -205,6 +205,7 @@ def test_help_is_fast_imports_no_megatron_and_shows_every_default(tmp_path):
     assert "tiny 4" in helps["num_layers"] or "from --preset tiny" in helps["num_layers"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["pretrain", "preprocess", "convert_hf", "convert_megatron",
                                     "analyze", "eval", "flops", "plan", "profile"])
 def test_every_cli_help_imports_neither_torch_nor_megatron(module):
