@@ -225,6 +225,7 @@ _FUZZ_VALUES = ["0", "1", "-1", "2", "7", "nan", "inf", "1e309", "1.5", "abc", "
                 "float16", "--", "\u00e9\u4e2d"]
 
 
+@pytest.mark.slow
 def test_cli_fuzzed_flags_score_or_refuse_in_one_line(llama_dir, tmp_path, capsys,
                                                       monkeypatch):
     """Every flag with hostile values on a real (tiny) model: a result or a one-line
