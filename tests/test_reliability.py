@@ -97,9 +97,9 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     """Wave 1: a run SIGKILLed inside its final save, an identical clean run, a save that
-    hits ENOSPC, non-finite stop and skip, one and two Ctrl-Cs in iteration 2. Wave 2:
-    resume of the killed and of the once-interrupted run, a start refused for lack of
-    space on top of an existing checkpoint, an unwritable --save."""
+    hits ENOSPC, non-finite stop and skip, one and two Ctrl-Cs in iteration 2, a run past
+    --exit-duration-in-mins. Wave 2: resume of the killed and of the once-interrupted run, a
+    start refused for lack of space on top of an existing checkpoint, an unwritable --save."""
     w = tmp_path_factory.mktemp("reliability")
     det = ["--deterministic", "--train-iters", "4"]
     wave1 = {
@@ -117,6 +117,8 @@ def runs(tmp_path_factory, cache_dir):
                        w, fault="nan_loss@2"),
         "ctrlc": _start([*det, "--save", str(w / "ctrlc"), "--log-json", str(w / "ctrlc.jsonl")],
                         cache_dir, w, fault="interrupt@2"),
+        "late": _start(["--train-iters", "100", "--exit-duration-in-mins", "0.0001", "--save",
+                        str(w / "late"), "--log-json", str(w / "late.jsonl")], cache_dir, w),
         "ctrlc2": _start([*det, "--save", str(w / "ctrlc2"), "--save-interval", "1",
                           "--log-json", str(w / "ctrlc2.jsonl")], cache_dir, w,
                          fault="interrupt_twice@2"),
@@ -259,6 +261,17 @@ def test_first_ctrl_c_saves_at_the_end_of_the_iteration_and_the_run_resumes_exac
     clean, resumed = _train(w / "clean.jsonl"), _train(w / "ctrlc_resume.jsonl")
     assert sorted(resumed) == [3, 4]
     assert [resumed[i]["loss"] for i in (3, 4)] == [clean[i]["loss"] for i in (3, 4)]
+
+
+@pytest.mark.slow
+def test_exit_duration_saves_and_exits_0_after_the_iteration_that_passes_it(runs):
+    w = runs["work"]
+    rc, out, err = runs["late"]
+    assert rc == 0, err[-3000:]
+    assert "--exit-duration-in-mins 0.0001 reached: saving and exiting at iteration 1" in err
+    assert "(stopped at iteration 1 (--exit-duration-in-mins 0.0001)" in out, out
+    assert sorted(_train(w / "late.jsonl")) == [1]
+    assert (w / "late" / "latest").read_text().strip() == "iter_0000001"
 
 
 @pytest.mark.slow

@@ -297,6 +297,11 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    help="stop after the first iteration that is a multiple of N (saving when "
                         "--save is given); the LR schedule still spans --train-iters "
                         "(default: none)")
+    g.add_argument("--exit-duration-in-mins", type=positive_float, default=None,
+                   help="stop after the first iteration that ends this many minutes after "
+                        "lrattn-pretrain started (saving when --save is given; all ranks "
+                        "agree), e.g. a scheduler's time limit less the time a save takes "
+                        "(default: none)")
     g.add_argument("--no-progress", action="store_true",
                    help="disable the progress bar (default: shown on rank 0)")
     g.add_argument("--keep-last", type=positive_int, default=None,

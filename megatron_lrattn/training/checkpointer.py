@@ -99,15 +99,21 @@ class Checkpointer:
                 and iteration < self.args.train_iters):
             self.save(iteration, consumed_samples)
 
-    def exit_requested(self) -> Optional[str]:
-        """Why to save and stop, on every rank once any rank got SIGTERM (``"exit signal"``)
-        or a first Ctrl-C (``"interrupt"``); None otherwise. A collective when the handlers
-        are on."""
-        if self.handler is None:
+    def exit_requested(self, time_up: bool = False) -> Optional[str]:
+        """Why to save and stop, on every rank once any rank got SIGTERM (``"exit signal"``),
+        a first Ctrl-C (``"interrupt"``) or passed ``--exit-duration-in-mins`` (``time_up``);
+        None otherwise. A collective when the handlers are on or a duration is set."""
+        duration = getattr(self.args, "exit_duration_in_mins", None)
+        if self.handler is None and not duration:
             return None
-        term, interrupt = any_rank([self.handler.signalled,
-                                    self.interrupt is not None and self.interrupt.signalled])
-        return "exit signal" if term else "interrupt" if interrupt else None
+        term, interrupt, late = any_rank([
+            self.handler is not None and self.handler.signalled,
+            self.interrupt is not None and self.interrupt.signalled, time_up])
+        if term:
+            return "exit signal"
+        if interrupt:
+            return "interrupt"
+        return f"--exit-duration-in-mins {duration:g}" if late else None
 
     def finish(self, iteration: int, consumed_samples: int) -> Optional[str]:
         """Save the final state (unless this iteration was just saved), wait for async

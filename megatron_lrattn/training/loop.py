@@ -59,7 +59,8 @@ class TrainResult:
         iterations: the iteration the run ended at.
         checkpoint: the last checkpoint folder, or None.
         stop_reason: why it stopped before ``--train-iters`` (``exit signal`` for SIGTERM,
-            ``interrupt`` for a first Ctrl-C, ``--exit-interval N``), else None.
+            ``interrupt`` for a first Ctrl-C, ``--exit-interval N``,
+            ``--exit-duration-in-mins M``), else None.
     """
 
     first_valid_loss: Optional[float]
@@ -181,17 +182,19 @@ def pretrain(args: argparse.Namespace, runtime: Optional[Runtime] = None) -> Tra
     writing it is refused before anything is written."""
     from megatron_lrattn.training.save_lock import SaveFolderLock
 
+    started = time.monotonic()  # --exit-duration-in-mins counts from here
     lock = None
     if args.save and os.environ.get("RANK", "0") == "0":
         lock = SaveFolderLock(args.save).acquire()
     try:
-        return _pretrain(args, runtime)
+        return _pretrain(args, runtime, started)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResult:
+def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime], started: float
+              ) -> TrainResult:
     from megatron.core import parallel_state as ps
 
     quiet_megatron_loggers()
@@ -316,7 +319,8 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
                       train_ds, dp_rank, vocab, iteration, consumed, downstream,
                       dict(info, **({"resumed_from": iteration, "dropped_records":
                                      writer.dropped} if resumed is not None else {}),
-                           **({"started_from": start.path} if start.path else {})))
+                           **({"started_from": start.path} if start.path else {})),
+                      started)
     except BaseException:
         checkpointer.abort()
         metrics.close()
@@ -324,7 +328,7 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime]) -> TrainResu
 
 
 def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, train_ds,
-           dp_rank, vocab, iteration, consumed, downstream, info) -> TrainResult:
+           dp_rank, vocab, iteration, consumed, downstream, info, started) -> TrainResult:
     """The loop from the first evaluation to the final checkpoint."""
     mbs, gbs = args.micro_batch_size, args.global_batch_size
     metrics.write({"type": "run", **info})
@@ -389,9 +393,12 @@ def _train(args, step, rt, models, optimizer, checkpointer, metrics, evaluate, t
                         iteration, " (saving)" if args.save else "")
             stop_reason = f"--exit-interval {args.exit_interval}"
             break
-        reason = checkpointer.exit_requested()
+        minutes = getattr(args, "exit_duration_in_mins", None)
+        reason = checkpointer.exit_requested(
+            time_up=bool(minutes) and time.monotonic() - started > 60 * minutes)
         if reason:
-            logger.info("%s received: %s at iteration %d", reason,
+            logger.info("%s %s: %s at iteration %d", reason,
+                        "reached" if reason.startswith("--") else "received",
                         "saving and exiting" if args.save else "exiting (no --save)", iteration)
             stop_reason = reason
             break
