@@ -136,3 +136,15 @@ def test_ctrl_c_held_during_a_save_reaches_the_interrupt_handler():
             os.kill(os.getpid(), signal.SIGINT)
             assert not handler.signalled
         assert handler.signalled
+
+
+def test_an_ignored_sigint_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with InterruptHandler() as handler:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert not handler.received()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -66,7 +66,8 @@ class InterruptHandler(ExitSignalHandler):
     said in one line on stderr), a second one raises ``KeyboardInterrupt`` at once.
 
     Processes forked while it is installed (data-loader workers) inherit it: they record
-    the first SIGINT silently and leave on the second.
+    the first SIGINT silently and leave on the second. Where SIGINT is ignored when it is
+    entered, it installs nothing.
     """
 
     NOTE = (b"interrupt: saving a checkpoint at the end of this iteration, then stopping "
@@ -75,6 +76,20 @@ class InterruptHandler(ExitSignalHandler):
     def __init__(self):
         super().__init__(signal.SIGINT)
         self._pid = os.getpid()
+        self.installed = False
+
+    def __enter__(self) -> "InterruptHandler":
+        # A process started with SIGINT ignored (a background job of a script, nohup)
+        # keeps ignoring it, as Python itself does.
+        if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            super().__enter__()
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:
+            super().__exit__(*exc)
+            self.installed = False
 
     def _handle(self, signum, frame) -> None:
         if self.signalled:
