@@ -137,3 +137,26 @@ def pretrain_rows(nproc: int, argv, log, cache_dir, timeout: int = 600) -> list:
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(log) as f:
         return [json.loads(line) for line in f]
+
+
+def tmpfs(path, size: str):
+    """Context manager: a tmpfs of ``size`` (e.g. "1m") mounted at the new folder ``path``
+    for the block, unmounted after; the test skips where mounting is not permitted (root
+    only)."""
+    import contextlib
+    import subprocess
+
+    import pytest
+
+    @contextlib.contextmanager
+    def mounted():
+        os.mkdir(path)
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode:
+            pytest.skip("mounting a tmpfs is not permitted here (needs root)")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+    return mounted()

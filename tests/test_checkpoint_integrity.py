@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tmpfs
 from megatron_lrattn.training.checkpoint_io import (
     CheckpointError,
     check_compatible,
@@ -284,20 +285,10 @@ def test_disk_errors_are_found_behind_torch_and_megatron_wrappers(tmp_path):
     assert disk_error(ValueError("a bad shape")) is None
 
 
-def _tmpfs(path: Path, size: str) -> Path:
-    path.mkdir()
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                        capture_output=True).returncode
-    if rc:
-        pytest.skip("mounting a tmpfs is not permitted here (needs root)")
-    return path
-
-
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = _tmpfs(tmp_path / "disk", "256k")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        yield disk
 
 
 def test_a_real_full_disk_during_a_save_is_one_line_and_leaves_no_tmp(small_disk):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import cli_env, finish
+from helpers import cli_env, finish, tmpfs
 from megatron_lrattn.data.errors import DataError
 from megatron_lrattn.training.arg_types import ArgumentError
 
@@ -391,12 +391,7 @@ def test_second_writer_refused_and_ctrl_c_saves_and_finalizes_the_async_saves(ca
 
 @pytest.mark.slow
 def test_converters_on_a_full_disk_leave_nothing(base, cache, tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs is not permitted here (needs root)")
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         hf = tmp_path / "hf"
         rc, _, err = finish(_start("convert_hf", [str(base / "ckpt"), str(hf)], cache, tmp_path,
                                    pretrain=False))
@@ -409,8 +404,6 @@ def test_converters_on_a_full_disk_leave_nothing(base, cache, tmp_path):
             last = _one_line(*finish(p))
             assert "writing the output failed (" in last, (name, last)
         assert os.listdir(disk) == []
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 @pytest.mark.slow
@@ -418,12 +411,7 @@ def test_a_read_only_checkpoint_loads_and_converts_and_refuses_writes(base, cach
     """The checkpoint on a file system mounted read-only (a shared dataset volume, a
     snapshot): loading, converting and analysing read it and leave it as it was; saving,
     logging or converting into it is one line, before any training."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(ro)],
-                      capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs is not permitted here (needs root)")
-    try:
+    with tmpfs(tmp_path / "ro", "64m") as ro:
         shutil.copytree(base / "ckpt", ro / "ckpt")
         assert subprocess.run(["mount", "-o", "remount,ro", str(ro)]).returncode == 0
         before = _digest(ro)
@@ -454,5 +442,3 @@ def test_a_read_only_checkpoint_loads_and_converts_and_refuses_writes(base, cach
             assert "not writable" in last and "Read-only file system" in last, (name, last)
         assert "--log-json:" in _one_line(*res["log-into"])
         assert _digest(ro) == before
-    finally:
-        subprocess.run(["umount", "-l", str(ro)], capture_output=True)
