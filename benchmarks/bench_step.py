@@ -5,7 +5,9 @@ For one preset (``lrattn-profile``'s flags, so the step is the one ``lrattn-prof
 check that every model trains (the loss on a fixed batch falls over the warm-up steps), then
 time them alternating (``--rounds`` rounds of ``--steps-per-round`` steps each) and profile
 one step of each. Reports median step time, tokens/s, MFU, peak memory and the ratio to the
-plain model, and the top kernels of each model by device time (torch.profiler).
+plain model, the top kernels of each model by device time (torch.profiler), and each model's
+device time by kernel family with the time the GPU waits (median step time minus the
+profiled step's total kernel time: host work between kernels and synchronisations).
 
 MFU = F * tokens_per_step / (step_time * peak), F = 6 M + 12 L s a k (+ the depth reads'
 3 x forward FLOPs for our depth arms): M the matmul parameters, L layers, s sequence, a
@@ -36,6 +38,39 @@ from plain_gpt import PlainShape, PlainTrainer  # noqa: E402
 
 logger = logging.getLogger("bench_step")
 TOP_KERNELS = 25
+# Kernel families of the summary rows, first match wins (lower-cased substrings of the name).
+FAMILIES = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+    ("optimizer", ("multi_tensor_apply", "adam", "foreach")),
+    ("norm", ("layer_norm", "rms_norm", "rmsnorm", "gammabeta")),
+    ("loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
+    ("elementwise", ("triton_poi",)),  # Inductor's pointwise kernels, whatever they fuse
+    ("reduction", ("triton_red", "triton_per", "reduce")),
+    ("copy", ("copy", "catarray", "fill")),
+    ("elementwise", ("elementwise", "functor")),
+)
+
+
+def kernel_family(name: str, depth_read_names=frozenset()) -> str:
+    """The family of one kernel name for the summary rows (``depth read`` for our fused
+    depth-read kernels, ``other`` when no family matches)."""
+    if name.split("(")[0] in depth_read_names:
+        return "depth read"
+    low = name.lower()
+    for family, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return family
+    return "other"
+
+
+def family_times(kernels: Dict[str, float], depth_read_names=frozenset()) -> Dict[str, float]:
+    """Device time per kernel family (the units of ``kernels``), largest first."""
+    out: Dict[str, float] = {}
+    for name, t in kernels.items():
+        fam = kernel_family(name, depth_read_names)
+        out[fam] = out.get(fam, 0.0) + t
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _own_flags(argv: Sequence[str]):
@@ -191,14 +226,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = [dict(base, **row) for row in rows]
             bench_common.append_rows(own.csv, list(out[0]), out)
         krows = []
-        for m in models:
+        from megatron_lrattn.profiling.runner import depth_read_kernel_names
+
+        depth_names = frozenset(depth_read_kernel_names())
+        for m, row in zip(models, rows):
             total = sum(m.kernels.values()) or 1.0
+            step_us = row["median_step_ms"] * 1e3
+            print(f"\ndevice time of {m.name} by kernel family (ms per step, share of the "
+                  f"median step {row['median_step_ms']:.1f} ms)")
+            fams = dict(family_times(m.kernels, depth_names))
+            fams["[all kernels]"] = total
+            fams["[GPU waiting: median step - all kernels]"] = step_us - total
+            for fam, us in fams.items():
+                print(f"  {us / 1e3:8.2f} {us / step_us:6.1%}  {fam}")
+                label = fam if fam.startswith("[") else f"[{fam}]"
+                krows.append(dict(base, model=m.name, kernel=label, ms=round(us / 1e3, 3),
+                                  share=round(us / step_us, 4)))
             top = sorted(m.kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-            print(f"\ntop kernels of {m.name} (device ms per step, share)")
+            print(f"\ntop kernels of {m.name} (device ms per step, share of the median step)")
             for name, us in top:
-                print(f"  {us / 1e3:8.2f} {us / total:6.1%}  {name[:110]}")
+                print(f"  {us / 1e3:8.2f} {us / step_us:6.1%}  {name[:110]}")
                 krows.append(dict(base, model=m.name, kernel=name[:200],
-                                  ms=round(us / 1e3, 3), share=round(us / total, 4)))
+                                  ms=round(us / 1e3, 3), share=round(us / step_us, 4)))
         if own.kernels_csv:
             bench_common.append_rows(own.kernels_csv, list(krows[0]), krows)
         return 0

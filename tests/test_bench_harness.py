@@ -138,3 +138,36 @@ def test_step_benchmark_smoke_writes_rows_for_ours_and_plain(tmp_path):
     assert all(r["git_sha"] == "test" and r["gpu"] == "cpu-interpreter" for r in rows)
     kernels = list(csv.DictReader(kernels_csv.open()))
     assert {k["model"] for k in kernels} == {r["model"] for r in rows}
+    for r in rows:  # the family rows add up to the profiled step's kernel time
+        own = [k for k in kernels if k["model"] == r["model"]]
+        fams = [float(k["ms"]) for k in own if k["kernel"].startswith("[")
+                and k["kernel"] not in ("[all kernels]",)
+                and not k["kernel"].startswith("[GPU waiting")]
+        total = next(float(k["ms"]) for k in own if k["kernel"] == "[all kernels]")
+        assert fams and abs(sum(fams) - total) <= 1e-3 * len(fams) + 1e-6 * total
+
+
+def test_kernel_families_sort_the_kernels_of_a_step():
+    """Each kernel name the H200 profiles show lands in its family; our depth-read kernels
+    by exact name; the family times add up to the total."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_step import family_times, kernel_family
+    finally:
+        sys.path.pop(0)
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>":
+            "optimizer",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::BFloat16>":
+            "norm",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>": "copy",
+        "triton_poi_fused_add_cat_mul_rsub_sigmoid_silu_split_0": "elementwise",
+        "merge_bwd_kernel": "depth read",
+        "something_new": "other",
+    }
+    for name, fam in names.items():
+        assert kernel_family(name, frozenset({"merge_bwd_kernel"})) == fam, name
+    times = family_times({n: 1.0 for n in names}, frozenset({"merge_bwd_kernel"}))
+    assert sum(times.values()) == len(names) and set(times) == set(names.values())
