@@ -63,18 +63,22 @@ def test_l2_norm_never_reads_a_value_on_the_host():
     assert float(norm) > 0
 
 
+@pytest.mark.parametrize("scale", [0.37, 1.0])
 @pytest.mark.parametrize("inplace,dst_dtype", [(True, torch.float32), (False, torch.float32),
                                                 (False, torch.bfloat16)])
-def test_scale_is_bit_identical_to_megatrons_fallback(inplace, dst_dtype):
+def test_scale_is_bit_identical_to_megatrons_fallback(inplace, dst_dtype, scale):
+    """Clipping (in place), and the fp32 -> bf16 weight copy (scale 1.0), with non-finite
+    values among the sources."""
     from megatron.core.utils import local_multi_tensor_scale
 
     src = _grads(1)
+    src[0].view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), 3e38])
     ref_dst = [s.clone() if inplace else torch.zeros_like(s, dtype=dst_dtype) for s in src]
     our_dst = [s.clone() if inplace else torch.zeros_like(s, dtype=dst_dtype) for s in src]
     ref_src = ref_dst if inplace else src
     our_src = our_dst if inplace else src
-    local_multi_tensor_scale(0, None, [ref_src, ref_dst], 0.37)
-    mt.multi_tensor_scale(0, None, [our_src, our_dst], 0.37)
+    local_multi_tensor_scale(0, None, [ref_src, ref_dst], scale)
+    mt.multi_tensor_scale(0, None, [our_src, our_dst], scale)
     for a, b in zip(ref_dst, our_dst):
         assert a.dtype == b.dtype and torch.equal(a, b)
 

@@ -9,14 +9,15 @@ on a GPU cost far more than the work:
   list of device scalars, one device-to-host copy and one host synchronisation per tensor
   (hundreds per step for a 1B model), before the result goes back to the device;
 * the scale computes ``src * scale`` into a new tensor and copies it back, per tensor: two
-  passes over every gradient and a temporary the size of each one.
+  passes over every gradient and a temporary the size of each one; megatron-core also
+  copies the fp32 main weights into the bf16 model this way (scale 1.0) after every step.
 
 ``install`` replaces those two fallbacks, where megatron-core uses them, by foreach
 versions with the same contract (``(chunk_size, noop_flag, tensor_lists, *args)``): one
 ``torch._foreach_norm`` over the list (fp32 accumulation) and the norm of the per-tensor
 norms on the device, no host synchronisation; an in-place ``torch._foreach_mul_`` when the
-source is the destination (clipping), else the product copied into the destination as
-before. The results are the fallbacks' results: the scale is the same fp32 product, and the
+source is the destination (clipping), a plain ``torch._foreach_copy_`` for a scale of 1.0
+(the weight copy: no temporaries), else the product copied into the destination as before. The results are the fallbacks' results: the scale is the same fp32 product, and the
 norm differs only by the order of the sums inside each tensor
 (``tests/test_multi_tensor.py``).
 
@@ -71,6 +72,10 @@ def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists: Sequence[Sequen
         return
     if all(s is d for s, d in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        # megatron-core's copy of the fp32 main weights into the bf16 model after every
+        # optimizer step: x * 1.0 is x, so copy (and cast) without the fp32 temporaries.
+        torch._foreach_copy_(dst, src)
     else:
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
