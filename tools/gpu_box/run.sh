@@ -150,7 +150,7 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
         [ "$preset" = 4b ] && seq=(--sequential)
         step "lrattn-profile, $preset, four arms" "${PROFILE_S:-420}" python3 -m \
             megatron_lrattn.cli.profile --preset "$preset" "${flags[@]}" "${common[@]}" \
-            --arms standard,attnres,lr_attnres,lr_attnres_projected --rounds 3 \
+            --arms "${PROFILE_ARMS:-standard,attnres,lr_attnres,lr_attnres_projected}" --rounds 3 \
             --steps-per-round 3 "${seq[@]}" --json "$OUT/profile_$preset.json"
     done
 }
