@@ -81,6 +81,35 @@ def test_static_batches_refill_the_same_memory_with_the_new_values():
     assert second[0]["tokens"].dtype == torch.int64 and second[0]["loss_mask"].dtype == torch.float32
 
 
+def test_graphs_alive_together_share_a_pool_and_a_pool_is_never_taken_back(monkeypatch):
+    """Step graphs alive at once capture into one pool; once all of them are gone the next
+    capture gets a new pool (torch's pinned-host allocator asserts on an id whose last graph
+    released it: ``lrattn-profile --sequential`` at 4b hit it at the third arm)."""
+    import gc
+
+    from megatron_lrattn.training import cuda_graph as cg
+
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+    monkeypatch.setattr(cg, "_graph_pool", None)
+    monkeypatch.setattr(cg, "_pool_users", cg.weakref.WeakSet())
+
+    class User:  # stands for a StepGraph
+        pass
+
+    a, b = User(), User()
+    assert cg._shared_pool(a) == cg._shared_pool(b) == (0, 0)
+    del a
+    gc.collect()
+    c = User()
+    assert cg._shared_pool(c) == (0, 0)  # b still lives in pool 0
+    del b, c
+    gc.collect()
+    d = User()
+    assert cg._shared_pool(d) == (1, 0)  # every graph of pool 0 is gone: a new pool
+    assert cg._shared_pool(User()) == (1, 0)
+
+
 def test_static_batches_refuse_a_new_shape():
     sb = StaticBatches(torch.device("cpu"))
     sb.fill(iter([_batch(0)]), 1)

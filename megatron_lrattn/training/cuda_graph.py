@@ -28,6 +28,7 @@ the depth kernels copy to the device during the capture are kept as long as the 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -55,15 +56,23 @@ def _model_inputs(batch) -> Dict[str, torch.Tensor]:
 
 _capture_stream: Optional[torch.cuda.Stream] = None
 _graph_pool = None
+_pool_users: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def _shared_pool():
-    # One memory pool for every step graph of the process: each graph is a whole step
-    # whose only outputs are its loss tensors, so a graph's activations may reuse the
-    # memory another graph's freed activations left, while their outputs stay apart.
+def _shared_pool(user) -> object:
+    """The memory pool of ``user``'s capture: one for every step graph alive in the process.
+
+    Each graph is a whole step whose only outputs are its loss tensors, so a graph's
+    activations may reuse the memory another graph's freed activations left, while their
+    outputs stay apart. Once every graph of a pool is gone (``lrattn-profile --sequential``
+    frees each arm before building the next) the next capture takes a new pool: torch's
+    pinned-host allocator keeps a private pool per id and refuses to take an id back after
+    its last graph released it (an internal assert in ``capture_begin``).
+    """
     global _graph_pool
-    if _graph_pool is None:
+    if _graph_pool is None or not len(_pool_users):
         _graph_pool = torch.cuda.graph_pool_handle()
+    _pool_users.add(user)
     return _graph_pool
 
 
@@ -159,7 +168,7 @@ class StepGraph:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         with hold_host_buffers(self.keep), torch.cuda.graph(
-                graph, pool=_shared_pool(), stream=self.stream,
+                graph, pool=_shared_pool(self), stream=self.stream,
                 capture_error_mode="thread_local"):
             self.losses = self.forward_backward(iter(batches), False)
         torch.cuda.synchronize()
