@@ -8,7 +8,10 @@ that fallback to torch's single-kernel fused AdamW (the same update, one kernel 
 group). On CPU nothing changes: compiling there would cost minutes of test time and buys
 nothing. The rotary embedding is fused in the SDPA core (``megatron_lrattn.model.attention``).
 ``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
-``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off.
+``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off. The training
+step also adds weight gradients to megatron's fp32 gradient buffer inside the GEMM
+(megatron-core's gradient-accumulation fusion, ``megatron_lrattn.compat.wgrad_fusion``;
+``--no-gradient-accumulation-fusion``).
 ``--cuda-graph-impl full_iteration`` replays the step's forward and backward as one CUDA
 graph (``megatron_lrattn.training.cuda_graph``).
 """
@@ -38,6 +41,11 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false",
                    help="megatron-core's unfused vocab-parallel cross-entropy (default: its "
                         "compiled native fusion)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="add each weight gradient to the fp32 gradient buffer in a separate "
+                        "kernel (default: inside the weight-gradient GEMM, "
+                        "megatron_lrattn.compat.wgrad_fusion where Apex is absent)")
     g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
                    help="keep torch's multi-tensor AdamW when megatron-core falls back to it "
                         "(default: torch's fused AdamW)")
@@ -59,6 +67,14 @@ def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:
     if getattr(args, "cross_entropy_loss_fusion", True):
         out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     return out
+
+
+def gradient_accumulation_fusion(args: argparse.Namespace, cuda: bool) -> bool:
+    """Whether the training step's linear layers add their weight gradients to the DDP
+    buffer inside the GEMM (megatron-core's ``gradient_accumulation_fusion``): on CUDA unless
+    ``--no-gradient-accumulation-fusion``. Only for a model wrapped in megatron's DDP (the
+    fused backward writes ``main_grad``), so not part of ``fusion_config``."""
+    return bool(cuda and getattr(args, "gradient_accumulation_fusion", True))
 
 
 def use_fused_adamw(optimizer, enabled: bool = True) -> int:

@@ -18,13 +18,14 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lrattn.compat.wgrad_fusion import install as install_wgrad_fusion
 from megatron_lrattn.data.datasets import get_batch
 from megatron_lrattn.depth.pipeline import depth_tensor_shapes_fn
 from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training import faults
 from megatron_lrattn.training.arg_types import ArgumentError
 from megatron_lrattn.training.cuda_graph import StepGraph, use_capture_stream
-from megatron_lrattn.training.fusions import cuda_graph_impl
+from megatron_lrattn.training.fusions import cuda_graph_impl, gradient_accumulation_fusion
 from megatron_lrattn.training.builder import (
     build_config,
     build_model_chunks,
@@ -43,9 +44,13 @@ def use_bf16(args: argparse.Namespace) -> bool:
 
 def step_config(args: argparse.Namespace) -> LRAttnResConfig:
     """The model config of a training step (``--deterministic`` sets megatron's
-    ``deterministic_mode``); raises ``ConfigError`` on refused values."""
+    ``deterministic_mode``; the gradient-accumulation fusion on CUDA, for the DDP-wrapped
+    model); raises ``ConfigError`` on refused values."""
     config = build_config(args, use_bf16(args))
     config.deterministic_mode = bool(args.deterministic)
+    if gradient_accumulation_fusion(args, torch.cuda.is_available()):
+        install_wgrad_fusion()
+        config.gradient_accumulation_fusion = True
     return config
 
 
