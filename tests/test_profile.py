@@ -55,6 +55,7 @@ def test_every_arm_and_field_in_json(profiled):
         for field in FIELDS:
             assert field in arm, (arm["arm"], field)
         assert len(arm["step_times_s"]) == 2
+        assert arm["last_loss"] < arm["first_loss"], arm["arm"]  # the step trains
         assert arm["median_step_time_s"] > 0 and arm["mfu"] > 0
         assert arm["peak_memory_bytes"] is None  # CPU
         assert arm["label"] in stdout

@@ -53,6 +53,9 @@ def arm_result(run: ArmRun, args, vocab_size: int, tokens_per_step: int, world_s
         "profiled_step_time_s": run.profiled_step_s,
         "depth_read_share": share,
         "top_ops_profiled_step": [{"name": k, "time_s": t} for k, t in run.top_ops],
+        # every step sees one fixed batch: a step that trains lowers the loss
+        "first_loss": run.losses[0] if run.losses else None,
+        "last_loss": run.losses[-1] if run.losses else None,
     }
 
 
@@ -71,8 +74,10 @@ def _fmt(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = ""
 
 
 def format_table(results: List[Dict[str, object]]) -> str:
-    """A plain-text table: one row per arm, ratios to ``standard`` in brackets."""
-    head = ["arm", "step ms", "tok/s/GPU", "MFU", "peak mem GB", "depth-read share"]
+    """A plain-text table: one row per arm, ratios to ``standard`` in brackets, and the loss
+    of the first and last step on the fixed batch (falling when the step trains)."""
+    head = ["arm", "step ms", "tok/s/GPU", "MFU", "peak mem GB", "depth-read share",
+            "loss first -> last"]
     rows = [head]
     for r in results:
         rows.append([
@@ -83,6 +88,7 @@ def format_table(results: List[Dict[str, object]]) -> str:
             f"{_fmt(r['peak_memory_bytes'], '.2f', 1e-9)} "
             f"({_fmt(r['peak_memory_bytes_vs_standard'], '.3f')})",
             _fmt(r["depth_read_share"], ".1f", 100.0, "%"),
+            f"{_fmt(r.get('first_loss'), '.3f')} -> {_fmt(r.get('last_loss'), '.3f')}",
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]

@@ -70,6 +70,8 @@ class ArmRun:
         depth_read_s, profiled_step_s: depth-read time in the profiled step and its wall time.
         top_ops: the profiled step's ``TOP_OPS`` most expensive kernels (CUDA) or operators
             (CPU) by self time, as (name, seconds).
+        losses: the loss of every step, in order (all steps see one fixed batch, so a
+            step that trains lowers it).
     """
 
     arm: Arm
@@ -82,6 +84,7 @@ class ArmRun:
     depth_read_s: Optional[float] = None
     profiled_step_s: Optional[float] = None
     top_ops: List[Tuple[str, float]] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)
 
 
 def _cuda() -> bool:
@@ -124,7 +127,7 @@ def build_arm(arm: Arm, args: argparse.Namespace, vocab_size: int, num_micro: in
 def train_step(run: ArmRun, batches) -> None:
     """One training step of the arm (``TrainStep.train``)."""
     run.steps_done += 1
-    run.step.train(batches, run.steps_done)
+    run.losses.append(run.step.train(batches, run.steps_done).loss)
 
 
 def timed_step(run: ArmRun, batches) -> None:
