@@ -17,9 +17,9 @@ versions with the same contract (``(chunk_size, noop_flag, tensor_lists, *args)`
 ``torch._foreach_norm`` over the list (fp32 accumulation) and the norm of the per-tensor
 norms on the device, no host synchronisation; an in-place ``torch._foreach_mul_`` when the
 source is the destination (clipping), a plain ``torch._foreach_copy_`` for a scale of 1.0
-(the weight copy: no temporaries), else the product copied into the destination as before. The results are the fallbacks' results: the scale is the same fp32 product, and the
-norm differs only by the order of the sums inside each tensor
-(``tests/test_multi_tensor.py``).
+(the weight copy: no temporaries), else the product copied into the destination as before.
+The results are the fallbacks' results: the scale is the same fp32 product, and the norm
+differs only by the order of the sums inside each tensor (``tests/test_multi_tensor.py``).
 
 It touches only names that still hold megatron's own fallbacks (``PATCHED_NAMES``, each
 checked to exist first), so with TE or Apex installed nothing changes.
