@@ -88,8 +88,8 @@ def test_scale_refuses_lists_of_different_lengths():
         mt.multi_tensor_scale(0, None, [_grads()[:3], _grads()[:2]], 2.0)
 
 
-def _params(seed):
-    grads = _grads(seed)
+def _params(seed, device="cpu"):
+    grads = [g.to(device) for g in _grads(seed)]
     params = []
     for g in grads:
         p = torch.nn.Parameter(torch.zeros_like(g))
@@ -100,7 +100,8 @@ def _params(seed):
 
 def test_megatron_clipping_gives_the_same_norm_and_gradients(monkeypatch):
     """megatron-core's get_grad_norm_fp32 and clip_grad_by_total_norm_fp32 with the foreach
-    versions installed against the same calls with megatron's fallbacks."""
+    versions installed against the same calls with megatron's fallbacks (on the GPU where
+    there is one: megatron's clipping asserts CUDA gradients then)."""
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
 
@@ -112,7 +113,7 @@ def test_megatron_clipping_gives_the_same_norm_and_gradients(monkeypatch):
                           (mt.multi_tensor_l2_norm, mt.multi_tensor_scale)):
             monkeypatch.setattr(clip_grads, "l2_norm_impl", l2)
             monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", scale)
-            params = _params(2)
+            params = _params(2, "cuda" if torch.cuda.is_available() else "cpu")
             norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
             clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, norm)
             results.append((norm, [p.grad for p in params]))
