@@ -19,6 +19,8 @@ kernel.
 
     python benchmarks/bench_block.py                      # d=2048, S 5 and 9, K=6
     python benchmarks/bench_block.py --sources 9 --profile
+    python benchmarks/bench_block.py --tokens 4096 --width 3072 --sources 9 --sites 8 \
+        --keys sliced projected --profile          # the 4b preset's shape
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ import bench_common as bc  # noqa: E402
 from megatron_lrattn.ops import depth_read_torch  # noqa: E402
 
 NORM_EPS = 1e-5  # RMSNorm epsilon of the presets
-KEY_KINDS = {"sliced": lambda d: d // 4, "attnres": lambda d: d}
+KEY_KINDS = {"sliced": lambda d: d // 4, "attnres": lambda d: d, "projected": lambda d: 32}
 
 
-def block_inputs(T, d, r, S, K, seed):
-    """S sources, K-1 sub-layer outputs, K queries, K norm weights; K output gradients."""
+def block_inputs(T, d, r, S, K, seed, projected=False):
+    """S sources, K-1 sub-layer outputs, K queries, K norm weights; K output gradients. With
+    ``projected``, the [T, r] keys of the S sources and of the K-1 outputs (a partial sum's
+    key is the sum of its outputs' keys, as ``DepthState`` forms it)."""
     g = torch.Generator(device=bc.DEVICE).manual_seed(seed)
 
     def randn(*shape, dt=torch.bfloat16):
@@ -51,6 +55,9 @@ def block_inputs(T, d, r, S, K, seed):
            "queries": randn(K, r, dt=torch.float32) * (2.0 / r**0.5),
            "norm_w": [(1.0 + 0.2 * randn(d, dt=torch.float32)).to(torch.bfloat16)
                       for _ in range(K)]}
+    if projected:
+        inp["keys"] = [randn(T, r) for _ in range(S)]
+        inp["ykeys"] = [randn(T, r) for _ in range(K - 1)]
     return inp, [randn(T, d) for _ in range(K)]
 
 
@@ -61,36 +68,49 @@ def partials(ys):
     return ps
 
 
-def per_site(vals, ys, queries, norm_w, read=None):
+def per_site(vals, ys, queries, norm_w, keys=None, ykeys=None, read=None):
     """K per-site reads after torch adds, each followed by its RMSNorm."""
     from megatron_lrattn.ops.site_read.fused import depth_read_triton
 
     read = read or depth_read_triton
     ps = partials(ys)
-    outs = [read(vals + ps[k - 1:k] if k else vals, queries[k]) for k in range(len(queries))]
+    pks = partials(ykeys) if keys is not None else None
+
+    def site_keys(k):
+        if keys is None:
+            return None
+        return keys + pks[k - 1:k] if k else keys
+    outs = [read(vals + ps[k - 1:k] if k else vals, queries[k], site_keys(k))
+            for k in range(len(queries))]
     return [F.rms_norm(h, (h.shape[-1],), w, NORM_EPS) for h, w in zip(outs, norm_w)]
 
 
-def two_phase(vals, ys, queries, norm_w):
-    """Phase 1 over the sources, then merges that form each P_k and apply the norm."""
+def two_phase(vals, ys, queries, norm_w, keys=None, ykeys=None):
+    """Phase 1 over the sources, then merges that form each P_k and apply the norm (with
+    projected keys, the partial sums' keys are added in torch, as ``DepthState`` does)."""
     from megatron_lrattn.ops.two_phase.merge import depth_merge_triton, depth_merge_update_triton
     from megatron_lrattn.ops.two_phase.phase1 import depth_read_multi_triton
 
     d = vals[0].shape[-1]
-    outs, lse = depth_read_multi_triton(vals, queries, None, split=True)
+    outs, lse = depth_read_multi_triton(vals, queries, keys, split=True)
     res, p = [F.rms_norm(outs[0], (d,), norm_w[0], NORM_EPS)], ys[0]
+    pk = ykeys[0] if keys is not None else None
     for k in range(1, queries.shape[0]):
         kw = dict(norm_weight=norm_w[k], norm_eps=NORM_EPS)
         if k == 1:
-            res.append(depth_merge_triton(outs[1], lse[1], p, queries[1], **kw))
+            res.append(depth_merge_triton(outs[1], lse[1], p, queries[1], pk, **kw))
         else:
-            h, p = depth_merge_update_triton(outs[k], lse[k], p, ys[k - 1], queries[k], **kw)
+            if pk is not None:
+                pk = pk + ykeys[k - 1]
+            h, p = depth_merge_update_triton(outs[k], lse[k], p, ys[k - 1], queries[k], pk,
+                                             **kw)
             res.append(h)
     return res
 
 
 def block_fwd_bwd(fn, inp, grads):
-    leaves = [inp["queries"], *inp["vals"], *inp["ys"], *inp["norm_w"]]
+    leaves = [inp["queries"], *inp["vals"], *inp["ys"], *inp["norm_w"],
+              *inp.get("keys", []), *inp.get("ykeys", [])]
     for t in leaves:
         t.requires_grad_(True)
     try:
@@ -104,7 +124,7 @@ def block_fwd_bwd(fn, inp, grads):
 
 def bench_block(T, d, r, S, K, label, copy_tbps, meta, profile=False):
     """CSV rows of both schedules on one block."""
-    inp, grads = block_inputs(T, d, r, S, K, seed=S + K + r)
+    inp, grads = block_inputs(T, d, r, S, K, seed=S + K + r, projected=label == "projected")
     up = {k: (v if k == "queries" else [t.float() for t in v]) for k, v in inp.items()}
     ref = block_fwd_bwd(functools.partial(per_site, read=depth_read_torch), up,
                         [g.float() for g in grads])
@@ -155,7 +175,7 @@ def main():
                     help="completed sources S before the block")
     ap.add_argument("--sites", type=int, default=6, help="read sites K of the block (>= 2)")
     ap.add_argument("--keys", nargs="+", choices=KEY_KINDS, default=list(KEY_KINDS),
-                    help="sliced r=d/4 or attnres (r=d)")
+                    help="sliced r=d/4, attnres (r=d) or projected (r=32)")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of each arm")
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "block.csv"))

@@ -99,15 +99,15 @@ def test_rounds_interleave_candidates(monkeypatch):
 @pytest.mark.slow
 def test_block_smoke_rows_are_checked(tmp_path):
     """The block as the model runs it on CPU: per-site and two-phase rows (partial sums formed
-    from sub-layer outputs, every read followed by its RMSNorm), each checked against the
-    per-site torch reference."""
+    from sub-layer outputs, every read followed by its RMSNorm; sliced, AttnRes and projected
+    keys), each checked against the per-site torch reference."""
     out = tmp_path / "block.csv"
     proc = _run(BLOCK, "--tokens", "3", "--width", "64", "--sources", "2", "--sites", "3",
                 "--csv", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
     got = {(r["keys"], r["r"], r["backend"], r["pass"]) for r in rows}
-    for keys, r in (("sliced", "16"), ("attnres", "64")):
+    for keys, r in (("sliced", "16"), ("attnres", "64"), ("projected", "32")):
         for arm in ("per_site", "two_phase"):
             for p in ("fwd", "fwdbwd"):
                 assert (keys, r, f"block_K3_{arm}", p) in got, (keys, arm, p)
