@@ -4,10 +4,12 @@ For one preset (``lrattn-profile``'s flags, so the step is the one ``lrattn-prof
 ``lrattn-pretrain`` run), build our arms and ``plain_gpt.PlainTrainer`` of the same shape,
 check that every model trains (the loss on a fixed batch falls over the warm-up steps), then
 time them alternating (``--rounds`` rounds of ``--steps-per-round`` steps each) and profile
-one step of each. Reports median step time, tokens/s, MFU, peak memory and the ratio to the
-plain model, the top kernels of each model by device time (torch.profiler), and each model's
-device time by kernel family with the time the GPU waits (median step time minus the
-profiled step's total kernel time: host work between kernels and synchronisations).
+one step of each. Reports median step time, tokens/s, MFU, peak memory (of the model alone:
+what its build and steps keep plus its largest step's growth; the process-wide peak beside
+it) and the ratio to the plain model, the top kernels of each model by device time
+(torch.profiler), and each model's device time by kernel family with the time the GPU
+waits (median step time minus the profiled step's total kernel time: host work between
+kernels and synchronisations).
 
 MFU = F * tokens_per_step / (step_time * peak), F = 6 M + 12 L s a k (+ the depth reads'
 3 x forward FLOPs for our depth arms): M the matmul parameters, L layers, s sequence, a
@@ -22,6 +24,7 @@ dense bf16). The same F is used for the plain model (same shape).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import statistics
@@ -85,12 +88,19 @@ def _own_flags(argv: Sequence[str]):
 class _Timed:
     """Step times, peak memory and losses of one model."""
 
-    def __init__(self, name: str, step, num_params: int, flops_per_token: float):
+    def __init__(self, name: str, step, num_params: int, flops_per_token: float,
+                 capture_bytes=lambda: 0):
         self.name, self.step, self.num_params = name, step, num_params
         self.flops_per_token = flops_per_token
         self.times: List[float] = []
         self.losses: List[float] = []
-        self.peak = 0
+        self.peak = 0  # process-wide max_memory_allocated over this model's steps
+        # memory of the model alone: what its build and its steps keep (weights, gradient
+        # buffers, optimizer states: ``resident``), plus the largest growth during one step
+        # (a captured graph's pool growth counted as its step's: ``capture_bytes``)
+        self.resident = 0
+        self.step_growth = 0
+        self.capture_bytes = capture_bytes
         self.kernels: Dict[str, float] = {}
 
     def run(self, timed: bool) -> None:
@@ -98,6 +108,7 @@ class _Timed:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         loss = self.step()
         if cuda:
@@ -107,7 +118,15 @@ class _Timed:
         if timed:
             self.times.append(dt)
         if cuda:
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+            peak = torch.cuda.max_memory_allocated()
+            self.peak = max(self.peak, peak)
+            self.step_growth = max(self.step_growth, peak - before, self.capture_bytes())
+            # what a step leaves behind stays (torch's lazily created AdamW states)
+            self.resident += max(0, torch.cuda.memory_allocated() - before)
+
+    def own_peak(self) -> int:
+        """Peak memory of this model alone (bytes; 0 without CUDA)."""
+        return self.resident + self.step_growth
 
     def profile(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -137,8 +156,10 @@ def _our_model(arm, args, vocab: int, num_micro: int, batch, device) -> _Timed:
     batches = itertools.repeat(batch)
     counter = itertools.count(1)
     flops = flops_per_token(model_shape(arm_args(args, arm), vocab))["total"]
+    graph = run.step.graph
     return _Timed(f"ours {arm.name}", lambda: run.step.train(batches, next(counter)).loss,
-                  run.step.num_params, flops)
+                  run.step.num_params, flops,
+                  capture_bytes=lambda: graph.capture_peak_bytes if graph is not None else 0)
 
 
 def _plain_model(args, vocab: int, batch, compile: bool) -> _Timed:
@@ -165,7 +186,8 @@ def _summary(m: _Timed, tokens: int, peak_tflops: float) -> Dict[str, object]:
     return {"model": m.name, "params": m.num_params, "median_step_ms": round(step * 1e3, 2),
             "tokens_per_s": round(tokens / step), "mfu": round(
                 m.flops_per_token * tokens / (step * peak_tflops * 1e12), 4),
-            "peak_memory_gib": round(m.peak / 2**30, 2), "steps": len(m.times),
+            "peak_memory_gib": round(m.own_peak() / 2**30, 2),
+            "process_peak_memory_gib": round(m.peak / 2**30, 2), "steps": len(m.times),
             "first_loss": round(m.losses[0], 4), "last_loss": round(m.losses[-1], 4)}
 
 
@@ -195,9 +217,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch = synthetic_batch(args.micro_batch_size, args.seq_length, vocab, rt.device,
                                 args.seed)
         tokens = args.micro_batch_size * args.seq_length
-        models = [_our_model(a, args, vocab, 1, batch, rt.device) for a in args.arm_specs]
+        builders = [functools.partial(_our_model, a, args, vocab, 1, batch, rt.device)
+                    for a in args.arm_specs]
         if not own.no_plain:
-            models.append(_plain_model(args, vocab, batch, compile=not own.no_compile))
+            builders.append(functools.partial(_plain_model, args, vocab, batch,
+                                              compile=not own.no_compile))
+        models = []
+        for build in builders:
+            before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            m = build()
+            if torch.cuda.is_available():
+                m.resident = torch.cuda.memory_allocated() - before
+            models.append(m)
         for m in models:
             for _ in range(1 + args.warmup_steps + 3):
                 m.run(timed=False)
