@@ -193,7 +193,7 @@ def _summary(m: _Timed, tokens: int, peak_tflops: float) -> Dict[str, object]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from megatron_lrattn.cli.profile import parse_args
-    from megatron_lrattn.profiling.runner import synthetic_batch
+    from megatron_lrattn.profiling.runner import depth_read_kernel_names, synthetic_batch
     from megatron_lrattn.training.builder import padded_vocab_size
     from megatron_lrattn.training.runtime import init_runtime, shutdown_runtime
 
@@ -257,8 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = [dict(base, **row) for row in rows]
             bench_common.append_rows(own.csv, list(out[0]), out)
         krows = []
-        from megatron_lrattn.profiling.runner import depth_read_kernel_names
-
         depth_names = frozenset(depth_read_kernel_names())
         for m, row in zip(models, rows):
             total = sum(m.kernels.values()) or 1.0

@@ -26,11 +26,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# (module, attribute) of megatron-core that ``install`` sets
-PATCHED_NAMES = [
-    ("megatron.core.tensor_parallel.layers", "_grad_accum_fusion_available"),
-    ("megatron.core.tensor_parallel.layers", "fused_weight_gradient_mlp_cuda"),
-]
+# megatron-core's module whose linear layers use Apex's extension, its flag that says whether
+# the extension was imported (checked to exist), and the name it imports the extension as
+# (absent without Apex); ``install`` sets both
+LAYERS = "megatron.core.tensor_parallel.layers"
+PATCHED_NAMES = [(LAYERS, "_grad_accum_fusion_available"),
+                 (LAYERS, "fused_weight_gradient_mlp_cuda")]
 
 _installed: List[str] = []
 
@@ -66,11 +67,10 @@ def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor,
 
 def check_patch_targets() -> None:
     """Raise ``RuntimeError`` when megatron-core no longer has the names ``install`` sets."""
-    missing = [f"{mod}.{name}" for mod, name in PATCHED_NAMES[:1]
-               if not hasattr(importlib.import_module(mod), name)]
-    if missing:
-        raise RuntimeError("megatron_lrattn.compat.wgrad_fusion: upstream no longer has "
-                           + ", ".join(missing) + "; update the gradient-accumulation shim")
+    if not hasattr(importlib.import_module(LAYERS), "_grad_accum_fusion_available"):
+        raise RuntimeError(f"megatron_lrattn.compat.wgrad_fusion: upstream no longer has "
+                           f"{LAYERS}._grad_accum_fusion_available; update the "
+                           "gradient-accumulation shim")
 
 
 def install() -> List[str]:
@@ -83,7 +83,7 @@ def install() -> List[str]:
     if _installed:
         return list(_installed)
     check_patch_targets()
-    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    layers = importlib.import_module(LAYERS)
     if not layers._grad_accum_fusion_available:
         layers.fused_weight_gradient_mlp_cuda = importlib.import_module(__name__)
         layers._grad_accum_fusion_available = True
