@@ -18,6 +18,18 @@ def pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def key_tile(r: int, warps: int) -> int:
+    """Padded width of a kernel's [rows, r] key tile beside [rows, BD] value rows: at least
+    one column per thread of the program. A narrower key tile gets a layout of its own, and
+    Triton then moves every per-row weight derived from it (key norm, logit, softmax
+    weights) to the rows' layout through shared memory at each use: the merge at d=3072,
+    r=32 compiled to 9 layout conversions and 66 barriers per program and ran 28x slower
+    than at r=768 (1.084 against 0.038 ms forward at 4096 tokens, H200,
+    ``benchmarks/results/merge_key_tile_2026-12-03.log``). Masked columns cost no memory
+    traffic."""
+    return max(16, pow2(r), 32 * warps)
+
+
 def empty(shape, dtype: torch.dtype, device) -> Tensor:
     """Every buffer a launcher hands to a kernel comes from here (the kernel tests replace it
     with a NaN-poisoning allocator, ``tests/ops/conftest.py``)."""

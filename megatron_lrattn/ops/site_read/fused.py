@@ -96,22 +96,21 @@ def _forward(vs: List[Tensor], ks: List[Tensor], query: Tensor, eps: float,
     if T == 0:
         return out, lse
     bd = tu.pow2(d)
-    # key tiles narrower than 128 columns ran 16x slower on an H200 (projected_probe log)
-    br = max(128, tu.pow2(r)) if projected else 1
     (v_tab, vs_tab), (k_tab, ks_tab) = tu.tables(vs, ks) if projected else tu.tables(vs) * 2
     kref = ks[0] if projected else vs[0]
     if tuning.read_family(d) == "source":
         cfg = tuning.source_tiled(d, len(vs), backward=False)
         depth_read_source_tiled_fwd_kernel[(T,)](
             v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
-            T, len(vs), d, r, eps, scale, PROJECTED=projected, BL=cfg.sources, BD=bd, BR=br,
+            T, len(vs), d, r, eps, scale, PROJECTED=projected, BL=cfg.sources, BD=bd,
+            BR=tu.key_tile(r, cfg.warps) if projected else 1,
             **alignment(vs, ks, d, r, bd), **launch_options(cfg), num_warps=cfg.warps)
         return out, lse
     cfg = tuning.token_tiled(d, T)
     depth_read_token_tiled_fwd_kernel[(triton.cdiv(T, cfg.tokens),)](
         v_tab, vs_tab, k_tab, ks_tab, vs[0], kref, query, out, lse,
-        T, len(vs), d, r, eps, scale, PROJECTED=projected, BT=cfg.tokens, BD=bd, BR=br,
-        num_warps=cfg.warps)
+        T, len(vs), d, r, eps, scale, PROJECTED=projected, BT=cfg.tokens, BD=bd,
+        BR=tu.key_tile(r, cfg.warps) if projected else 1, num_warps=cfg.warps)
     return out, lse
 
 
@@ -126,8 +125,9 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
         return torch.zeros_like(query), [dv.zero_() for dv in dvs], [dk.zero_() for dk in dks]
     g = tu.rows(grad_out, d)
     bd = tu.pow2(d)
-    br = max(128, tu.pow2(r)) if projected else 1
     source = tuning.read_family(d) == "source"
+    cfg = tuning.source_tiled(d, len(vs), backward=True) if source else tuning.token_tiled(d, T)
+    br = tu.key_tile(r, cfg.warps) if projected else 1
     kc = not projected and source and key_rows(d, r)
     if projected:
         (v_tab, vs_tab), (dv_tab, _), (k_tab, ks_tab), (dk_tab, _) = \
@@ -144,7 +144,6 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
     # <g, v_i> scratch of projected keys; a placeholder otherwise)
     has_out = out is not None and not projected
     if source:
-        cfg = tuning.source_tiled(d, len(vs), backward=True)
         nprog = tu.programs(T, dev, cfg.programs_per_sm, cpu=3)
         parts = tu.empty((nprog, r), torch.float32, dev)
         da = tu.empty((len(vs), T), torch.float32, dev) if projected else parts
@@ -156,7 +155,6 @@ def _backward(vs, ks, query, lse, out, grad_out, eps, scale):
             **alignment(vs + dvs, ks + dks, d, r, bd, key_offset=d - r if kc else None),
             **launch_options(cfg), num_warps=cfg.warps)
         return parts.sum(0), dvs, dks
-    cfg = tuning.token_tiled(d, T)
     n_blocks = triton.cdiv(T, cfg.tokens)
     nprog = tu.programs(n_blocks, dev, cfg.programs_per_sm)
     parts = tu.empty((nprog, r), torch.float32, dev)

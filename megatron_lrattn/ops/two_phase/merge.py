@@ -185,6 +185,12 @@ def merge_bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_strid
 KERNELS = (merge_fwd_kernel, merge_bwd_kernel)
 
 
+def launch(d: int, r: int, T: int):
+    """(settings, tile constexprs) of both merge kernels at width d, key rank r, T tokens."""
+    cfg = tuning.merge(d, T)
+    return cfg, dict(BT=cfg.tokens, BD=tu.pow2(d), BR=tu.key_tile(r, cfg.warps))
+
+
 def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm_eps=0.0):
     T, d = partial.shape
     r = q.shape[0]
@@ -192,15 +198,15 @@ def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm
     pn = tu.empty((T, d), partial.dtype, partial.device) if update is not None else None
     projected = pkey is not None
     if T:
-        cfg = tuning.merge(d, T)
+        cfg, tiles = launch(d, r, T)
         kp = pkey if projected else partial
         y = update if update is not None else partial
         merge_fwd_kernel[(triton.cdiv(T, cfg.tokens),)](
             out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q, h,
             y, y.stride(0), pn if pn is not None else h,
             norm_w if norm_w is not None else q, T, d, r, eps, scale, norm_eps,
-            PROJECTED=projected, BT=cfg.tokens, BD=tu.pow2(d), BR=max(16, tu.pow2(r)),
-            UPDATE=update is not None, NORM=norm_w is not None, num_warps=cfg.warps)
+            PROJECTED=projected, UPDATE=update is not None, NORM=norm_w is not None,
+            num_warps=cfg.warps, **tiles)
     return h, pn
 
 
@@ -220,7 +226,7 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         return torch.zeros_like(q), do, dlse, dp, dkp, gw
     g = tu.rows(grad_h, d)
     gp = tu.rows(grad_p, d) if grad_p is not None else g
-    cfg = tuning.merge(d, T)
+    cfg, tiles = launch(d, r, T)
     n_blocks = triton.cdiv(T, cfg.tokens)
     nprog = tu.programs(n_blocks, dev, cfg.programs_per_sm)
     parts = tu.empty((nprog, r), torch.float32, dev)
@@ -230,8 +236,8 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q,
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
-        PROJECTED=projected, BT=cfg.tokens, BD=tu.pow2(d), BR=max(16, tu.pow2(r)),
-        ADD_GP=grad_p is not None, NORM=norm, num_warps=cfg.warps)
+        PROJECTED=projected, ADD_GP=grad_p is not None, NORM=norm, num_warps=cfg.warps,
+        **tiles)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw
