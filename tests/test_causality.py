@@ -57,6 +57,9 @@ def _prefix_and_suffix_change(arm: str, schedule: str, device: str, dtype,
 @pytest.mark.parametrize("schedule", ["per_site", "two_phase"])
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_no_position_sees_later_tokens_cpu(mp, arm, schedule, core_attention):
+    if torch.cuda.is_available():
+        pytest.skip("CPU variant: megatron's rotary tables go to CUDA where it exists; the "
+                    "CUDA variant runs here")
     if arm == "standard" and schedule == "two_phase":
         pytest.skip("the standard residual has no depth schedule")
     prefix, suffix = _prefix_and_suffix_change(arm, schedule, "cpu", torch.float64,
