@@ -37,10 +37,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common  # noqa: E402
+from copy_sources import CopySources  # noqa: E402
 from plain_gpt import PlainShape, PlainTrainer  # noqa: E402
 
 logger = logging.getLogger("bench_step")
 TOP_KERNELS = 25
+TOP_COPIES = 20
 # Kernel families of the summary rows, first match wins (lower-cased substrings of the name).
 FAMILIES = (
     ("attention", ("sdpa", "flash", "fmha", "attention")),
@@ -82,6 +84,9 @@ def _own_flags(argv: Sequence[str]):
     p.add_argument("--kernels-csv", default=None, help="append the top kernels per model here")
     p.add_argument("--no-plain", action="store_true", help="leave the plain model out")
     p.add_argument("--no-compile", action="store_true", help="plain model without torch.compile")
+    p.add_argument("--copies-csv", default=None,
+                   help="attribute the copies of one eager step of each of our models to their "
+                        "source lines (copy_sources.py) and append them here")
     return p.parse_known_args(argv)
 
 
@@ -229,8 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if torch.cuda.is_available():
                 m.resident = torch.cuda.memory_allocated() - before
             models.append(m)
+        copies: Dict[str, List[Dict[str, object]]] = {}
         for m in models:
-            for _ in range(1 + args.warmup_steps + 3):
+            for i in range(1 + args.warmup_steps + 3):
+                if i == 1 and own.copies_csv and m.name.startswith("ours"):
+                    # the second step: eager (a CUDA graph is captured after 3), warm
+                    with CopySources() as cs:
+                        m.run(timed=False)
+                    copies[m.name] = cs.table()
+                    continue
                 m.run(timed=False)
             if not m.losses[-1] < m.losses[0]:
                 raise SystemExit(f"bench_step.py: {m.name} does not train (loss {m.losses[0]:.4f}"
@@ -279,6 +291,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   ms=round(us / 1e3, 3), share=round(us / step_us, 4)))
         if own.kernels_csv:
             bench_common.append_rows(own.kernels_csv, list(krows[0]), krows)
+        if own.copies_csv:
+            crows = []
+            for name, table in copies.items():
+                print(f"\ncopies of {name}, one eager step (MB moved: read + write of the "
+                      "output; the most first)")
+                for r in table[:TOP_COPIES]:
+                    print(f"  {r['bytes'] / 1e6:9.1f} {r['calls']:5d}x {r['op']:9s} "
+                          f"{r['dtype']:18s} {r['source'][:120]}")
+                crows += [dict(base, model=name, **r) for r in table]
+            if crows:
+                bench_common.append_rows(own.copies_csv, list(crows[0]), crows)
         return 0
     finally:
         shutdown_runtime()

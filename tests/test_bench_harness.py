@@ -122,11 +122,13 @@ def test_step_benchmark_smoke_writes_rows_for_ours_and_plain(tmp_path):
     """bench_step.py on CPU: our arms and the plain model train, are timed and profiled, and
     each gets a row (ratio to the plain model) and its top kernels."""
     rows_csv, kernels_csv = tmp_path / "step.csv", tmp_path / "kernels.csv"
+    copies_csv = tmp_path / "copies.csv"
     proc = subprocess.run(
         [sys.executable, str(STEP), "--preset", "tiny", "--num-layers", "2", "--seq-length",
          "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--arms",
          "standard,lr_attnres", "--rounds", "2", "--steps-per-round", "1", "--no-compile",
-         "--csv", str(rows_csv), "--kernels-csv", str(kernels_csv)],
+         "--csv", str(rows_csv), "--kernels-csv", str(kernels_csv),
+         "--copies-csv", str(copies_csv)],
         capture_output=True, text=True, env=dict(ENV, GIT_SHA="test"), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(rows_csv.open()))
@@ -145,6 +147,14 @@ def test_step_benchmark_smoke_writes_rows_for_ours_and_plain(tmp_path):
                 and not k["kernel"].startswith("[GPU waiting")]
         total = next(float(k["ms"]) for k in own if k["kernel"] == "[all kernels]")
         assert fams and abs(sum(fams) - total) <= 1e-3 * len(fams) + 1e-6 * total
+    copies = list(csv.DictReader(copies_csv.open()))
+    assert {c["model"] for c in copies} == {"ours standard", "ours lr_attnres"}
+    # forward copies named by megatron-core's lines (the rotary embedding's cat among
+    # them), backward ones by their autograd node and its forward line
+    assert any(c["op"] == "cat" and "rope_utils.py" in c["source"] for c in copies), copies[:5]
+    assert any(c["source"].startswith("backward: ") and "megatron/core" in c["source"]
+               for c in copies)
+    assert not any("__torch_function__" in c["source"] for c in copies)
 
 
 def test_kernel_families_sort_the_kernels_of_a_step():
@@ -171,3 +181,35 @@ def test_kernel_families_sort_the_kernels_of_a_step():
         assert kernel_family(name, frozenset({"merge_bwd_kernel"})) == fam, name
     times = family_times({n: 1.0 for n in names}, frozenset({"merge_bwd_kernel"}))
     assert sum(times.values()) == len(names) and set(times) == set(names.values())
+
+
+def test_copy_sources_name_the_forward_line_of_each_copy():
+    """Forward copies are named by their Python line, backward copies by their autograd node
+    and the forward line that created it; bytes are read + write of the output."""
+    import inspect
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from copy_sources import CopySources
+    finally:
+        sys.path.pop(0)
+
+    def f(x, y):
+        z = torch.cat([x, y], dim=0)
+        return (z.t().contiguous().to(torch.bfloat16).float() * 2).sum()
+
+    first = inspect.getsourcelines(f)[1]
+    x = torch.randn(4, 8, requires_grad=True)
+    y = torch.randn(4, 8, requires_grad=True)
+    with CopySources() as cs:
+        f(x, y).backward()
+    rows = {(r["op"], r["dtype"], r["source"].split(" <- ")[0]): r for r in cs.table()}
+    here = f"test_bench_harness.py:{first + 1} f"
+    assert rows[("cat", "float32", here)]["bytes"] == 2 * 8 * 8 * 4
+    line2 = f"test_bench_harness.py:{first + 2} f"
+    assert ("clone", "float32", line2) in rows
+    assert ("_to_copy", "float32->bfloat16", line2) in rows
+    assert ("_to_copy", "bfloat16->float32", f"backward: ToCopyBackward0 of {line2}") in rows
+    assert not torch.is_anomaly_enabled()  # anomaly mode only inside the block

@@ -144,7 +144,8 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
             step "bench_step.py, $preset" "${BENCH_S:-300}" python3 benchmarks/bench_step.py \
                 --preset "$preset" "${flags[@]}" "${common[@]}" \
                 --arms "${BENCH_ARMS:-standard,lr_attnres}" --rounds 5 --steps-per-round 3 \
-                --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv"
+                --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv" \
+                --copies-csv "$OUT/step_copies.csv"
         fi
         local seq=()
         [ "$preset" = 4b ] && seq=(--sequential)

@@ -1,0 +1,120 @@
+"""Where the copies of a training step come from.
+
+The kernel table names copy kernels (``direct_copy_kernel_cuda``, ``CatArrayBatchedCopy``,
+``bfloat16_copy_kernel``) but not who launched them. ``CopySources`` records every
+copy-like aten op of an eager step (``copy_``, ``clone``, ``_to_copy``, ``cat``): its dtype,
+the bytes it moves (read + write of its output) and its source. In the forward the source
+is the innermost frames of the Python stack outside torch; in the backward it is the
+autograd node that runs (``CatBackward0``, ...) and, with anomaly mode on (recorded for this
+step only), the forward line that created that node.
+
+    with CopySources() as copies:
+        step()
+    for row in copies.table(): ...
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import traceback
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+OPS = frozenset({"copy_", "clone", "_to_copy", "cat"})
+_SKIP = (os.sep + "torch" + os.sep, os.path.abspath(__file__), "_python_dispatch",
+         os.sep + "contextlib.py")
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages" + os.sep, "megatron_lrattn" + os.sep, "benchmarks" + os.sep):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + (len(marker) if marker.startswith("site") else 0):]
+    return os.path.basename(path)
+
+
+def _keep(path: str, func: str) -> bool:
+    # torch's own frames, this file's, and function-mode hooks (the CPU compatibility mode)
+    return func != "__torch_function__" and not any(s in path for s in _SKIP)
+
+
+def _forward_source(depth: int) -> str:
+    frames = [f for f in traceback.extract_stack() if _keep(f.filename, f.name)]
+    return " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}"
+                       for f in reversed(frames[-depth:])) or "?"
+
+
+def _node_source(node, depth: int) -> str:
+    name = node.name()
+    lines = (node.metadata or {}).get("traceback_") if hasattr(node, "metadata") else None
+    if not lines:
+        return f"backward: {name}"
+    frames = []
+    for chunk in lines:
+        m = _FRAME.search(chunk)
+        if m and _keep(m["file"], m["func"]):
+            frames.append(f"{_short(m['file'])}:{m['line']} {m['func']}")
+    where = " <- ".join(reversed(frames[-depth:]))
+    return f"backward: {name} of {where}" if where else f"backward: {name}"
+
+
+class CopySources(TorchDispatchMode):
+    """Counts and bytes of copy-like ops by (op, dtype, source) while active.
+
+    Args:
+        depth: Python frames per source (innermost first).
+        anomaly: record the forward traceback of every autograd node (anomaly mode) so
+            that a backward copy names the forward line it belongs to.
+    """
+
+    def __init__(self, depth: int = 2, anomaly: bool = True):
+        super().__init__()
+        self.depth = depth
+        self.anomaly = anomaly
+        self.rows: Dict[Tuple[str, str, str], List[int]] = collections.defaultdict(
+            lambda: [0, 0])
+        self._anomaly_ctx = None
+
+    def __enter__(self):
+        if self.anomaly:
+            self._anomaly_ctx = torch.autograd.detect_anomaly(check_nan=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+                self._anomaly_ctx.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._anomaly_ctx is not None:
+            self._anomaly_ctx.__exit__(*exc)
+            self._anomaly_ctx = None
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in OPS:
+            res = out if isinstance(out, torch.Tensor) else args[0]
+            node: Optional[object] = torch._C._current_autograd_node()
+            src = (_node_source(node, self.depth) if node is not None
+                   else _forward_source(self.depth))
+            dtype = str(res.dtype).replace("torch.", "")
+            if name in ("copy_", "_to_copy") and isinstance(args[0], torch.Tensor) \
+                    and args[0].dtype != res.dtype:
+                dtype = f"{str(args[0].dtype).replace('torch.', '')}->{dtype}"
+            row = self.rows[(name, dtype, src)]
+            row[0] += 1
+            row[1] += 2 * res.numel() * res.element_size()
+        return out
+
+    def table(self) -> List[Dict[str, object]]:
+        """Rows ``op, dtype, source, calls, bytes``, the most bytes first."""
+        rows = [dict(op=op, dtype=dt, source=src, calls=n, bytes=b)
+                for (op, dt, src), (n, b) in self.rows.items()]
+        return sorted(rows, key=lambda r: -r["bytes"])
