@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common  # noqa: E402
-from copy_sources import CopySources  # noqa: E402
+from step_sources import CopySources, SavedTensors  # noqa: E402
 from plain_gpt import PlainShape, PlainTrainer  # noqa: E402
 
 logger = logging.getLogger("bench_step")
@@ -86,7 +86,10 @@ def _own_flags(argv: Sequence[str]):
     p.add_argument("--no-compile", action="store_true", help="plain model without torch.compile")
     p.add_argument("--copies-csv", default=None,
                    help="attribute the copies of one eager step of each of our models to their "
-                        "source lines (copy_sources.py) and append them here")
+                        "source lines (step_sources.py) and append them here")
+    p.add_argument("--saved-csv", default=None,
+                   help="the tensors autograd saves in that step, by forward line "
+                        "(step_sources.py), appended here")
     return p.parse_known_args(argv)
 
 
@@ -94,8 +97,9 @@ class _Timed:
     """Step times, peak memory and losses of one model."""
 
     def __init__(self, name: str, step, num_params: int, flops_per_token: float,
-                 capture_bytes=lambda: 0):
+                 capture_bytes=lambda: 0, tensors=lambda: []):
         self.name, self.step, self.num_params = name, step, num_params
+        self.tensors = tensors  # what outlives a step (parameters), for SavedTensors
         self.flops_per_token = flops_per_token
         self.times: List[float] = []
         self.losses: List[float] = []
@@ -164,7 +168,8 @@ def _our_model(arm, args, vocab: int, num_micro: int, batch, device) -> _Timed:
     graph = run.step.graph
     return _Timed(f"ours {arm.name}", lambda: run.step.train(batches, next(counter)).loss,
                   run.step.num_params, flops,
-                  capture_bytes=lambda: graph.capture_peak_bytes if graph is not None else 0)
+                  capture_bytes=lambda: graph.capture_peak_bytes if graph is not None else 0,
+                  tensors=lambda: [p for m in run.step.models for p in m.parameters()])
 
 
 def _plain_model(args, vocab: int, batch, compile: bool) -> _Timed:
@@ -235,13 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 m.resident = torch.cuda.memory_allocated() - before
             models.append(m)
         copies: Dict[str, List[Dict[str, object]]] = {}
+        saved: Dict[str, List[Dict[str, object]]] = {}
         for m in models:
             for i in range(1 + args.warmup_steps + 3):
-                if i == 1 and own.copies_csv and m.name.startswith("ours"):
+                if i == 1 and (own.copies_csv or own.saved_csv) and m.name.startswith("ours"):
                     # the second step: eager (a CUDA graph is captured after 3), warm
-                    with CopySources() as cs:
+                    with CopySources() as cs, SavedTensors(before=m.tensors()) as st:
                         m.run(timed=False)
-                    copies[m.name] = cs.table()
+                    copies[m.name], saved[m.name] = cs.table(), st.table()
                     continue
                 m.run(timed=False)
             if not m.losses[-1] < m.losses[0]:
@@ -302,6 +308,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 crows += [dict(base, model=name, **r) for r in table]
             if crows:
                 bench_common.append_rows(own.copies_csv, list(crows[0]), crows)
+        if own.saved_csv:
+            srows = []
+            for name, table in saved.items():
+                act = sum(r["bytes"] for r in table if r["kind"] == "activation")
+                print(f"\nsaved for the backward by {name}, one eager step: {act / 2**30:.2f} "
+                      "GiB of activations (MB by forward line, the most first)")
+                for r in table[:TOP_COPIES]:
+                    print(f"  {r['bytes'] / 1e6:9.1f} {r['calls']:5d}x {r['kind']:10s} "
+                          f"{r['dtype']:9s} {r['source'][:120]}")
+                srows += [dict(base, model=name, **r) for r in table]
+            if srows:
+                bench_common.append_rows(own.saved_csv, list(srows[0]), srows)
         return 0
     finally:
         shutdown_runtime()

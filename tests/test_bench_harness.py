@@ -122,13 +122,13 @@ def test_step_benchmark_smoke_writes_rows_for_ours_and_plain(tmp_path):
     """bench_step.py on CPU: our arms and the plain model train, are timed and profiled, and
     each gets a row (ratio to the plain model) and its top kernels."""
     rows_csv, kernels_csv = tmp_path / "step.csv", tmp_path / "kernels.csv"
-    copies_csv = tmp_path / "copies.csv"
+    copies_csv, saved_csv = tmp_path / "copies.csv", tmp_path / "saved.csv"
     proc = subprocess.run(
         [sys.executable, str(STEP), "--preset", "tiny", "--num-layers", "2", "--seq-length",
          "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--arms",
          "standard,lr_attnres", "--rounds", "2", "--steps-per-round", "1", "--no-compile",
          "--csv", str(rows_csv), "--kernels-csv", str(kernels_csv),
-         "--copies-csv", str(copies_csv)],
+         "--copies-csv", str(copies_csv), "--saved-csv", str(saved_csv)],
         capture_output=True, text=True, env=dict(ENV, GIT_SHA="test"), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(rows_csv.open()))
@@ -155,6 +155,11 @@ def test_step_benchmark_smoke_writes_rows_for_ours_and_plain(tmp_path):
     assert any(c["source"].startswith("backward: ") and "megatron/core" in c["source"]
                for c in copies)
     assert not any("__torch_function__" in c["source"] for c in copies)
+    saved = list(csv.DictReader(saved_csv.open()))
+    assert {c["model"] for c in saved} == {"ours standard", "ours lr_attnres"}
+    # the weights a linear layer saves are kept, not the step's; its input is an activation
+    assert any(c["kind"] == "kept" and "layers.py" in c["source"] for c in saved)
+    assert any(c["kind"] == "activation" and "mlp.py" in c["source"] for c in saved)
 
 
 def test_kernel_families_sort_the_kernels_of_a_step():
@@ -183,7 +188,7 @@ def test_kernel_families_sort_the_kernels_of_a_step():
     assert sum(times.values()) == len(names) and set(times) == set(names.values())
 
 
-def test_copy_sources_name_the_forward_line_of_each_copy():
+def test_step_sources_name_the_forward_line_of_each_copy():
     """Forward copies are named by their Python line, backward copies by their autograd node
     and the forward line that created it; bytes are read + write of the output."""
     import inspect
@@ -192,7 +197,7 @@ def test_copy_sources_name_the_forward_line_of_each_copy():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from copy_sources import CopySources
+        from step_sources import CopySources
     finally:
         sys.path.pop(0)
 
@@ -213,3 +218,36 @@ def test_copy_sources_name_the_forward_line_of_each_copy():
     assert ("_to_copy", "float32->bfloat16", line2) in rows
     assert ("_to_copy", "bfloat16->float32", f"backward: ToCopyBackward0 of {line2}") in rows
     assert not torch.is_anomaly_enabled()  # anomaly mode only inside the block
+
+
+def test_saved_tensors_counts_each_storage_once_and_tells_weights_apart():
+    """What autograd saves, by forward line: a linear layer's input (activation) and weight
+    (kept: it existed before the step); a tensor saved twice is counted once."""
+    import inspect
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_sources import SavedTensors
+    finally:
+        sys.path.pop(0)
+
+    lin = torch.nn.Linear(8, 16, bias=False)
+
+    def f(x):
+        y = torch.sigmoid(lin(x))
+        return (y * y).sum()
+
+    first = inspect.getsourcelines(f)[1]
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensors(before=list(lin.parameters())) as st:
+        loss = f(x)
+    loss.backward()
+    rows = {(r["kind"], r["source"].split(" <- ")[0]): r for r in st.table()}
+    line = f"test_bench_harness.py:{first + 1} f"
+    assert rows[("kept", line)]["bytes"] == 16 * 8 * 4  # the weight
+    # x (4 x 8) for the linear layer's weight gradient, y (4 x 16) for sigmoid's backward;
+    # y * y saves y again, which is not counted twice
+    assert rows[("activation", line)]["bytes"] == (4 * 8 + 4 * 16) * 4
+    assert len(rows) == 2

@@ -145,7 +145,7 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
                 --preset "$preset" "${flags[@]}" "${common[@]}" \
                 --arms "${BENCH_ARMS:-standard,lr_attnres}" --rounds 5 --steps-per-round 3 \
                 --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv" \
-                --copies-csv "$OUT/step_copies.csv"
+                --copies-csv "$OUT/step_copies.csv" --saved-csv "$OUT/step_saved.csv"
         fi
         local seq=()
         [ "$preset" = 4b ] && seq=(--sequential)

@@ -1,16 +1,23 @@
-"""Where the copies of a training step come from.
+"""Where the copies and the saved activations of a training step come from.
 
 The kernel table names copy kernels (``direct_copy_kernel_cuda``, ``CatArrayBatchedCopy``,
-``bfloat16_copy_kernel``) but not who launched them. ``CopySources`` records every
+``bfloat16_copy_kernel``) but not who launches them. ``CopySources`` records every
 copy-like aten op of an eager step (``copy_``, ``clone``, ``_to_copy``, ``cat``): its dtype,
 the bytes it moves (read + write of its output) and its source. In the forward the source
 is the innermost frames of the Python stack outside torch; in the backward it is the
 autograd node that runs (``CatBackward0``, ...) and, with anomaly mode on (recorded for this
 step only), the forward line that created that node.
 
-    with CopySources() as copies:
+``SavedTensors`` records what autograd keeps for the backward (every tensor packed by
+``save_for_backward`` or a built-in node, counted once per storage): bytes by dtype and the
+forward line that saved it. Parameters and other tensors that outlive the step are listed
+apart (``kind``: ``activation`` or ``kept``: a tensor whose storage existed before the step
+began is not the step's memory). Tensors a custom autograd function keeps as attributes of
+its context instead of saving them are not seen.
+
+    with CopySources() as copies, SavedTensors() as saved:
         step()
-    for row in copies.table(): ...
+    for row in copies.table() + saved.table(): ...
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ class CopySources(TorchDispatchMode):
             that a backward copy names the forward line it belongs to.
     """
 
-    def __init__(self, depth: int = 2, anomaly: bool = True):
+    def __init__(self, depth: int = 3, anomaly: bool = True):
         super().__init__()
         self.depth = depth
         self.anomaly = anomaly
@@ -117,4 +124,49 @@ class CopySources(TorchDispatchMode):
         """Rows ``op, dtype, source, calls, bytes``, the most bytes first."""
         rows = [dict(op=op, dtype=dt, source=src, calls=n, bytes=b)
                 for (op, dt, src), (n, b) in self.rows.items()]
+        return sorted(rows, key=lambda r: -r["bytes"])
+
+
+class SavedTensors:
+    """Bytes autograd saves for the backward, by (dtype, source, kind), each storage once.
+
+    Args:
+        depth: Python frames per source (innermost first).
+        before: tensors alive before the step (parameters, buffers); storages they share
+            are reported as ``kept``, not as the step's activations.
+    """
+
+    def __init__(self, depth: int = 3, before=()):
+        self.depth = depth
+        self._known = {t.untyped_storage().data_ptr() for t in before}
+        self._seen = set()
+        self.rows: Dict[Tuple[str, str, str], List[int]] = collections.defaultdict(
+            lambda: [0, 0])
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self._seen:
+                self._seen.add(ptr)
+                kind = "kept" if ptr in self._known else "activation"
+                row = self.rows[(str(t.dtype).replace("torch.", ""),
+                                 _forward_source(self.depth), kind)]
+                row[0] += 1
+                row[1] += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+    def table(self) -> List[Dict[str, object]]:
+        """Rows ``op`` (``saved``), ``dtype``, ``source``, ``kind``, ``calls`` (storages),
+        ``bytes``; the most bytes first."""
+        rows = [dict(op="saved", dtype=dt, source=src, kind=kind, calls=n, bytes=b)
+                for (dt, src, kind), (n, b) in self.rows.items()]
         return sorted(rows, key=lambda r: -r["bytes"])
