@@ -39,11 +39,13 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S
 
 
 def _short(path: str) -> str:
-    for marker in ("site-packages" + os.sep, "megatron_lrattn" + os.sep, "benchmarks" + os.sep):
-        i = path.rfind(marker)
+    # from the package folder on (megatron/core/..., megatron_lrattn/...), wherever installed
+    for marker in ("megatron_lrattn", "megatron", "benchmarks", "tests"):
+        i = path.rfind(os.sep + marker + os.sep)
         if i >= 0:
-            return path[i + (len(marker) if marker.startswith("site") else 0):]
-    return os.path.basename(path)
+            return path[i + 1:]
+    i = path.rfind("site-packages" + os.sep)
+    return path[i + len("site-packages") + 1:] if i >= 0 else os.path.basename(path)
 
 
 def _keep(path: str, func: str) -> bool:

@@ -188,7 +188,7 @@ def test_kernel_families_sort_the_kernels_of_a_step():
     assert sum(times.values()) == len(names) and set(times) == set(names.values())
 
 
-def test_step_sources_name_the_forward_line_of_each_copy():
+def test_copy_sources_name_the_forward_line_of_each_copy():
     """Forward copies are named by their Python line, backward copies by their autograd node
     and the forward line that created it; bytes are read + write of the output."""
     import inspect
@@ -211,9 +211,9 @@ def test_step_sources_name_the_forward_line_of_each_copy():
     with CopySources() as cs:
         f(x, y).backward()
     rows = {(r["op"], r["dtype"], r["source"].split(" <- ")[0]): r for r in cs.table()}
-    here = f"test_bench_harness.py:{first + 1} f"
+    here = f"tests/test_bench_harness.py:{first + 1} f"
     assert rows[("cat", "float32", here)]["bytes"] == 2 * 8 * 8 * 4
-    line2 = f"test_bench_harness.py:{first + 2} f"
+    line2 = f"tests/test_bench_harness.py:{first + 2} f"
     assert ("clone", "float32", line2) in rows
     assert ("_to_copy", "float32->bfloat16", line2) in rows
     assert ("_to_copy", "bfloat16->float32", f"backward: ToCopyBackward0 of {line2}") in rows
@@ -245,7 +245,7 @@ def test_saved_tensors_counts_each_storage_once_and_tells_weights_apart():
         loss = f(x)
     loss.backward()
     rows = {(r["kind"], r["source"].split(" <- ")[0]): r for r in st.table()}
-    line = f"test_bench_harness.py:{first + 1} f"
+    line = f"tests/test_bench_harness.py:{first + 1} f"
     assert rows[("kept", line)]["bytes"] == 16 * 8 * 4  # the weight
     # x (4 x 8) for the linear layer's weight gradient, y (4 x 16) for sigmoid's backward;
     # y * y saves y again, which is not counted twice
