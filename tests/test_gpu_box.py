@@ -85,6 +85,7 @@ def test_metrics_table_and_compare(tmp_path):
     assert "max |dloss|/loss 2.00e-01" in out[1] and "bitwise" not in out[1]
 
 
+@pytest.mark.slow
 def test_steps_run_the_drivers_own_functions(tmp_path):
     """``step`` runs its command under ``timeout``, which cannot start a shell function:
     the ``tests`` suite's ``pytest_`` steps must reach pytest (here: the one GPU test of
