@@ -201,6 +201,20 @@ def _summary(m: _Timed, tokens: int, peak_tflops: float) -> Dict[str, object]:
             "first_loss": round(m.losses[0], 4), "last_loss": round(m.losses[-1], 4)}
 
 
+def _report_sources(tables: Dict[str, List[Dict[str, object]]], path: str, base: Dict,
+                    label: str, heading) -> None:
+    """Print the top rows of each model's ``step_sources`` table and append all to ``path``."""
+    rows = []
+    for name, table in tables.items():
+        print("\n" + heading(name, table))
+        for r in table[:TOP_COPIES]:
+            print(f"  {r['bytes'] / 1e6:9.1f} {r['calls']:5d}x {r[label]:10s} "
+                  f"{r['dtype']:18s} {r['source'][:120]}")
+        rows += [dict(base, model=name, **r) for r in table]
+    if rows:
+        bench_common.append_rows(path, list(rows[0]), rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from megatron_lrattn.cli.profile import parse_args
     from megatron_lrattn.profiling.runner import depth_read_kernel_names, synthetic_batch
@@ -298,28 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if own.kernels_csv:
             bench_common.append_rows(own.kernels_csv, list(krows[0]), krows)
         if own.copies_csv:
-            crows = []
-            for name, table in copies.items():
-                print(f"\ncopies of {name}, one eager step (MB moved: read + write of the "
-                      "output; the most first)")
-                for r in table[:TOP_COPIES]:
-                    print(f"  {r['bytes'] / 1e6:9.1f} {r['calls']:5d}x {r['op']:9s} "
-                          f"{r['dtype']:18s} {r['source'][:120]}")
-                crows += [dict(base, model=name, **r) for r in table]
-            if crows:
-                bench_common.append_rows(own.copies_csv, list(crows[0]), crows)
+            _report_sources(copies, own.copies_csv, base, "op", lambda name, table: (
+                f"copies of {name}, one eager step (MB moved: read + write of the output; "
+                "the most first)"))
         if own.saved_csv:
-            srows = []
-            for name, table in saved.items():
-                act = sum(r["bytes"] for r in table if r["kind"] == "activation")
-                print(f"\nsaved for the backward by {name}, one eager step: {act / 2**30:.2f} "
-                      "GiB of activations (MB by forward line, the most first)")
-                for r in table[:TOP_COPIES]:
-                    print(f"  {r['bytes'] / 1e6:9.1f} {r['calls']:5d}x {r['kind']:10s} "
-                          f"{r['dtype']:9s} {r['source'][:120]}")
-                srows += [dict(base, model=name, **r) for r in table]
-            if srows:
-                bench_common.append_rows(own.saved_csv, list(srows[0]), srows)
+            _report_sources(saved, own.saved_csv, base, "kind", lambda name, table: (
+                f"saved for the backward by {name}, one eager step: "
+                f"{sum(r['bytes'] for r in table if r['kind'] == 'activation') / 2**30:.2f} "
+                "GiB of activations (MB by forward line, the most first)"))
         return 0
     finally:
         shutdown_runtime()
