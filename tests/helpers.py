@@ -4,7 +4,6 @@ setup, tiny model builders, and what the tests that run the CLIs in subprocesses
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import torch
@@ -104,11 +103,14 @@ def cli_env(cache_dir, **extra) -> dict:
     return dict(os.environ, LRATTN_CACHE=str(cache_dir), PYTHONWARNINGS="ignore", **extra)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a torchrun or gloo rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun(nproc: int) -> list:
+    """The command prefix of a one-node torchrun with ``nproc`` workers. ``--standalone``:
+    the launcher binds its rendezvous store to a port it is given by the system and the
+    workers share that store, so concurrent tests never race for a port."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc)]
 
 
 def finish(proc, timeout: float = 300):
@@ -127,9 +129,7 @@ def pretrain_rows(nproc: int, argv, log, cache_dir, timeout: int = 600) -> list:
 
     launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
     if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(nproc), "--master-port", str(free_port()), "-m",
-                    "megatron_lrattn.cli.pretrain"]
+        launcher = torchrun(nproc) + ["-m", "megatron_lrattn.cli.pretrain"]
     proc = subprocess.run(launcher + list(argv) + ["--cache-dir", str(cache_dir),
                                                    "--log-json", str(log)],
                           env=cli_env(cache_dir, OMP_NUM_THREADS="1"), capture_output=True,

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import free_port, pretrain_rows, rel_rms  # noqa: E402
+from helpers import pretrain_rows, rel_rms  # noqa: E402
 
 from megatron_lrattn.model.attention import cp_chunk_order  # noqa: E402
 from megatron_lrattn.training.arg_types import ArgumentError  # noqa: E402
@@ -31,7 +31,7 @@ def test_chunk_order():
     assert [gathered[i] for i in cp_chunk_order(3).tolist()] == list(range(6))
 
 
-def _attention_worker(rank: int, world: int, port: int, heads: int, groups: int, queue):
+def _attention_worker(rank: int, world: int, store: str, heads: int, groups: int, queue):
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -39,8 +39,7 @@ def _attention_worker(rank: int, world: int, port: int, heads: int, groups: int,
     from megatron_lrattn.model.attention import context_parallel_attention
 
     apply_cpu_compat()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         g = torch.Generator().manual_seed(5)
         b, s, hn = 2, 8 * world, 8
@@ -71,14 +70,14 @@ def _attention_worker(rank: int, world: int, port: int, heads: int, groups: int,
     pytest.param(2, 4, 2, id="cp2_gqa"),
     pytest.param(4, 2, 1, id="cp4_mqa", marks=pytest.mark.slow),
 ])
-def test_context_parallel_attention_equals_full_attention(world, heads, groups):
+def test_context_parallel_attention_equals_full_attention(world, heads, groups, tmp_path):
     """Each rank's output and its query, key and value gradients (keys and values
     gathered, their gradients reduce-scattered back) equal full causal attention's on the
     rank's chunks (float64, gloo processes)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_attention_worker, args=(r, world, port, heads, groups, queue))
+    store = str(tmp_path / "rendezvous")
+    procs = [ctx.Process(target=_attention_worker, args=(r, world, store, heads, groups, queue))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_env, free_port
+from helpers import cli_env, torchrun
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -53,9 +53,7 @@ def checkpoints(tmp_path_factory, cache_dir):
     for name, (flags, (tp, pp)) in MODES.items():
         launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
         if tp * pp > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                        str(tp * pp), "--master-port", str(free_port()), "-m",
-                        "megatron_lrattn.cli.pretrain"]
+            launcher = torchrun(tp * pp) + ["-m", "megatron_lrattn.cli.pretrain"]
         cmd = launcher + BASE + flags + [
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--save", str(work / name), "--cache-dir", str(cache_dir)]

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import cli_env, free_port  # noqa: E402
+from helpers import cli_env, torchrun  # noqa: E402
 
 CLI = ["--preset", "tiny", "--train-iters", "3", "--lr-warmup-iters", "1",
        "--eval-interval", "1000", "--eval-iters", "1", "--seed", "7", "--no-progress",
@@ -59,8 +59,7 @@ DISTOPT_LAYOUTS = {
 
 def _run(nproc: int, flags, out: Path, cache_dir: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), __file__, str(out)]
+    cmd = torchrun(nproc) + [__file__, str(out)]
     log = out / "log.jsonl"
     proc = subprocess.run(cmd + CLI + flags + ["--cache-dir", str(cache_dir), "--log-json",
                                                str(log)],

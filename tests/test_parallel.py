@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import free_port, pretrain_rows, rel_rms
+from helpers import pretrain_rows, rel_rms
 
 MODES = {
     "standard": ["--residual", "standard"],
@@ -159,16 +159,16 @@ def _run_layout(mode: str, tp: int, pp: int, ref, sp: bool = False, vp=None, lay
         ps.destroy_model_parallel()
 
 
-def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, layouts, out_dir: str) -> None:
     import torch.distributed as dist
 
     from megatron_lrattn.compat.cpu import apply_cpu_compat
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     apply_cpu_compat()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file rendezvous (``store``: a path not yet used): no port to race for
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     report = {}
     layers = 8 if any("L8" in layout for layout in layouts) else 4
     try:
@@ -197,7 +197,8 @@ def _worker(rank: int, world: int, port: int, layouts, out_dir: str) -> None:
 def _spawn(world: int, layouts, tmp_path) -> dict:
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(world, free_port(), layouts, str(tmp_path)), nprocs=world)
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), layouts, str(tmp_path)),
+             nprocs=world)
     return {r: json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world)}
 
 

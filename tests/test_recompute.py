@@ -230,7 +230,7 @@ LAYOUTS = {  # layout -> recompute flags (the TP1PP1 reference runs without)
 }
 
 
-def _parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _parallel_worker(rank: int, world: int, out_dir: str) -> None:
     import test_parallel as tp
 
     import megatron_lrattn.training.builder as builder
@@ -268,7 +268,8 @@ def _parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         os.environ["LRATTN_TEST_LAYOUT"] = json.dumps(list(layout))
         sub = os.path.join(out_dir, f"{schedule}-{'-'.join(map(str, layout))}")
         os.makedirs(sub, exist_ok=True)
-        tp._worker(rank, world, port + i, [layout[:2]], sub)  # a new process group each
+        # a new process group each, with its own rendezvous file
+        tp._worker(rank, world, os.path.join(sub, "rendezvous"), [layout[:2]], sub)
 
 
 @pytest.mark.slow
@@ -281,7 +282,7 @@ def test_full_recompute_under_tp2_and_pp2_matches_tp1pp1(tmp_path):
 
     import test_parallel as tp
 
-    mproc.spawn(_parallel_worker, args=(2, tp.free_port(), str(tmp_path)), nprocs=2)
+    mproc.spawn(_parallel_worker, args=(2, str(tmp_path)), nprocs=2)
     worst = {}
     for schedule in ("per_site", "two_phase"):
         for layout in LAYOUTS:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, free_port
+from helpers import cli_env, torchrun
 
 # every test runs lrattn-pretrain in subprocesses (torchrun for TP2 x PP2)
 pytestmark = pytest.mark.slow
@@ -30,9 +30,7 @@ SMALL = [
 def _run(args, tp, pp, cache, cwd):
     launcher = [sys.executable, "-m", "megatron_lrattn.cli.pretrain"]
     if tp * pp > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(tp * pp), "--master-port", str(free_port()), "-m",
-                    "megatron_lrattn.cli.pretrain"]
+        launcher = torchrun(tp * pp) + ["-m", "megatron_lrattn.cli.pretrain"]
     proc = subprocess.run(
         launcher + SMALL + ["--tensor-model-parallel-size", str(tp),
                             "--pipeline-model-parallel-size", str(pp), "--cache-dir", str(cache),

@@ -238,7 +238,7 @@ def test_block_sites_of_the_paper_schedule():
         s.block_sites(9)
 
 
-def _pp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _pp_worker(rank: int, world: int, out_dir: str) -> None:
     import test_parallel as tp
 
     import megatron_lrattn.training.builder as builder
@@ -267,7 +267,8 @@ def _pp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             calls[_n] += 1
             return _f(*a, **kw)
         setattr(ds, name, counted)
-    tp._worker(rank, world, port, [(1, 2), (1, 2, "vp2")], out_dir)
+    tp._worker(rank, world, os.path.join(out_dir, "rendezvous"), [(1, 2), (1, 2, "vp2")],
+               out_dir)
     with open(os.path.join(out_dir, f"calls{rank}.json"), "w") as f:
         json.dump(calls, f)
 
@@ -281,7 +282,7 @@ def test_two_phase_under_pipeline_parallelism_matches_per_site_tp1pp1(tmp_path, 
 
     import test_parallel as tp
 
-    mproc.spawn(_pp_worker, args=(2, tp.free_port(), str(tmp_path)), nprocs=2)
+    mproc.spawn(_pp_worker, args=(2, str(tmp_path)), nprocs=2)
     reports = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     print(json.dumps(reports, indent=1))
     for r in range(2):
