@@ -78,8 +78,10 @@ def family_times(kernels: Dict[str, float], depth_read_names=frozenset()) -> Dic
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def _own_flags(argv: Sequence[str]):
-    p = argparse.ArgumentParser(add_help=False)
+def _own_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_step.py", add_help=False,
+        description="the flags of this benchmark; every other flag is lrattn-profile's")
     p.add_argument("--csv", default=None, help="append one row per model here")
     p.add_argument("--kernels-csv", default=None, help="append the top kernels per model here")
     p.add_argument("--no-plain", action="store_true", help="leave the plain model out")
@@ -90,7 +92,28 @@ def _own_flags(argv: Sequence[str]):
     p.add_argument("--saved-csv", default=None,
                    help="the tensors autograd saves in that step, by forward line "
                         "(step_sources.py), appended here")
-    return p.parse_known_args(argv)
+    return p
+
+
+def _own_flags(argv: Sequence[str]):
+    """This benchmark's flags and the rest (``lrattn-profile``'s); an output path that
+    cannot be written is refused before anything is built."""
+    from megatron_lrattn.training.arguments import ArgumentError
+
+    own, rest = _own_parser().parse_known_args(argv)
+    for flag in ("csv", "kernels_csv", "copies_csv", "saved_csv"):
+        path = getattr(own, flag)
+        if path is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if not path.strip():
+            raise ArgumentError(f"{name}: an empty path")
+        if os.path.isdir(path):
+            raise ArgumentError(f"{name}: {path} is a directory, not a CSV file")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"{name}: the folder {parent} does not exist")
+    return own, rest
 
 
 class _Timed:
@@ -216,22 +239,46 @@ def _report_sources(tables: Dict[str, List[Dict[str, object]]], path: str, base:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (2 and one line on stderr for a refused flag)."""
+    from megatron_lrattn.cli.common import run_cli
+    from megatron_lrattn.model.errors import ConfigError
+    from megatron_lrattn.training.arguments import ArgumentError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        _own_parser().print_help()
+        print()
+    return run_cli("bench_step.py", functools.partial(_main, argv), (ArgumentError, ConfigError))
+
+
+def parse(argv: List[str]):
+    """(own flags, lrattn-profile's args); ``ArgumentError`` on a refused flag."""
     from megatron_lrattn.cli.profile import parse_args
+    from megatron_lrattn.training.arguments import ArgumentError
+
+    own, rest = _own_flags(argv)
+    args = parse_args(rest)
+    if args.tensor_model_parallel_size * args.pipeline_model_parallel_size != 1:
+        raise ArgumentError("one GPU only: --tensor-model-parallel-size and "
+                            "--pipeline-model-parallel-size must be 1")
+    if args.global_batch_size != args.micro_batch_size:
+        raise ArgumentError(f"one micro-batch per step: --global-batch-size "
+                            f"{args.global_batch_size} must equal --micro-batch-size "
+                            f"{args.micro_batch_size}")
+    return own, args
+
+
+def _main(argv: List[str]) -> int:
+    own, args = parse(argv)
+    return run(own, args)
+
+
+def run(own, args) -> int:
+    """Build, check, time and profile the models of one parsed command line."""
     from megatron_lrattn.profiling.runner import depth_read_kernel_names, synthetic_batch
     from megatron_lrattn.training.builder import padded_vocab_size
     from megatron_lrattn.training.runtime import init_runtime, shutdown_runtime
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, rest = _own_flags(argv)
-    args = parse_args(rest)
-    if args.tensor_model_parallel_size * args.pipeline_model_parallel_size != 1:
-        print("bench_step.py: error: one GPU only (TP = PP = 1)", file=sys.stderr)
-        return 2
-    if args.global_batch_size != args.micro_batch_size:
-        print(f"bench_step.py: error: one micro-batch per step: --global-batch-size "
-              f"{args.global_batch_size} must equal --micro-batch-size {args.micro_batch_size}",
-              file=sys.stderr)
-        return 2
     if not torch.cuda.is_available():
         bench_common.use_cpu_smoke()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

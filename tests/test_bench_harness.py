@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "benchmarks" / "bench_kernels.py"
@@ -251,3 +253,80 @@ def test_saved_tensors_counts_each_storage_once_and_tells_weights_apart():
     # y * y saves y again, which is not counted twice
     assert rows[("activation", line)]["bytes"] == (4 * 8 + 4 * 16) * 4
     assert len(rows) == 2
+
+
+def _bench_step_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step_under_test", STEP)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# a valid base command line, then fuzzed flags: each with values it takes and values it
+# must refuse (flags without a value are given one too, and values stand alone)
+_STEP_BASE = ["--preset", "tiny", "--micro-batch-size", "2", "--global-batch-size", "2"]
+_STEP_VALUES = {
+    "--csv": ["{tmp}/a.csv", "{tmp}", "{tmp}/missing/a.csv", ""],
+    "--kernels-csv": ["{tmp}/k.csv", "{tmp}"],
+    "--copies-csv": ["{tmp}/c.csv", "{tmp}/missing/c.csv"],
+    "--saved-csv": ["{tmp}/s.csv", "{tmp}"],
+    "--no-plain": [None, "x"], "--no-compile": [None],
+    "--preset": ["tiny", "1b", "0.5b", "x"],
+    "--num-layers": ["1", "2", "0", "-1", "x"],
+    "--micro-batch-size": ["2", "4", "0"], "--global-batch-size": ["2", "4", "nan"],
+    "--arms": ["standard", "standard,lr_attnres", "standard,foo", "standard,standard", ""],
+    "--rounds": ["1", "0", "-3"], "--num-blocks": ["1", "2", "3", "99", "0"],
+    "--seq-length": ["16", "0", "1e9"], "--hidden-size": ["64", "65", "0"],
+    "--tensor-model-parallel-size": ["1", "2"], "--projected-rank": ["8", "0", "1000"],
+    "--bogus": [None, "1"],
+}
+_STEP_PAIRS = [(f, v) for f, vs in _STEP_VALUES.items() for v in vs]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(_STEP_PAIRS), max_size=4))
+def test_bench_step_fuzzed_flags_run_or_refuse_in_one_line(tmp_path, pairs):
+    """Any command line either reaches the run (replaced here) or is refused with exit code 2
+    and one ``bench_step.py: error:`` line (argparse's own usage errors: exit 2, no
+    traceback)."""
+    import contextlib
+    import io
+
+    bench_step = _bench_step_module()
+    reached = []
+    bench_step.run = lambda own, args: reached.append(args) or 0
+    argv = _STEP_BASE + [x.replace("{tmp}", str(tmp_path)) for pair in pairs for x in pair
+                         if x is not None]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = bench_step.main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code
+    text = err.getvalue()
+    assert "Traceback" not in text, (argv, text)
+    assert rc in (0, 2), (argv, rc, text)
+    if rc == 0:
+        assert len(reached) == 1
+    elif text.startswith("bench_step.py: error:"):
+        assert text.count("\n") == 1, (argv, text)
+    else:  # argparse: usage, then "prog: error: ..."
+        assert text.rstrip().splitlines()[-1].split(": error: ")[1], (argv, text)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--csv", "{tmp}"], "is a directory"),
+    (["--saved-csv", "{tmp}/missing/a.csv"], "does not exist"),
+    (["--micro-batch-size", "2", "--global-batch-size", "4"], "one micro-batch"),
+    (["--preset", "1b", "--num-layers", "2"], "--num-blocks 8"),
+])
+def test_bench_step_refuses_in_one_line_before_building(argv, needle, tmp_path, capsys):
+    bench_step = _bench_step_module()
+    bench_step.run = lambda own, args: pytest.fail("reached the run")
+    rc = bench_step.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("bench_step.py: error:") and needle in err, err
+    assert err.count("\n") == 1
