@@ -253,14 +253,20 @@ def test_study_report_reads_a_learning_rate_sweep(tmp_path):
     assert "| standard residual | 3.1000 | **3.0000** | 3.2000 | 2e-3 |" in table
 
 
+# each case is one run.sh call (2 s: its provenance header imports torch); one in the fast tier
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("env, message", [
-    ({"LRS": "1e-3", "ARM_LRS": "standard=1e-3"}, "set LRS (a sweep) or ARM_LRS"),
-    ({"ARMS": "standard attnres", "ARM_LRS": "standard=1e-3"}, "has no LR for arm attnres"),
-    ({"ARMS": "standard", "ARM_LRS": "standard=1e-3 bogus=2e-3"},
-     "ARM_LRS names unknown arm bogus"),
+    pytest.param({"LRS": "1e-3", "ARM_LRS": "standard=1e-3"}, "set LRS (a sweep) or ARM_LRS",
+                 marks=_SLOW),
+    pytest.param({"ARMS": "standard attnres", "ARM_LRS": "standard=1e-3"},
+                 "has no LR for arm attnres", marks=_SLOW),
+    pytest.param({"ARMS": "standard", "ARM_LRS": "standard=1e-3 bogus=2e-3"},
+                 "ARM_LRS names unknown arm bogus", marks=_SLOW),
     ({"ARMS": "standard", "ARM_LRS": "standard"}, "ARM_LRS entry 'standard' is not arm=LR"),
-    ({"ARMS": "standard", "ARM_LRS": "standard=fast"},
-     "ARM_LRS entry 'standard=fast' is not arm=LR"),
+    pytest.param({"ARMS": "standard", "ARM_LRS": "standard=fast"},
+                 "ARM_LRS entry 'standard=fast' is not arm=LR", marks=_SLOW),
 ])
 def test_study_refuses_bad_per_arm_learning_rates(tmp_path, env, message):
     proc = _run_sh(tmp_path, CORPUS="prose", PROSE_DIR=str(tmp_path / "none"), **env)
