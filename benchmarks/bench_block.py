@@ -169,11 +169,11 @@ def bench_block(T, d, r, S, K, label, copy_tbps, meta, profile=False):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--sources", type=int, nargs="+", default=[5, 9],
+    ap.add_argument("--tokens", type=bc.positive_int, default=16384)
+    ap.add_argument("--width", type=bc.positive_int, default=2048)
+    ap.add_argument("--sources", type=bc.positive_int, nargs="+", default=[5, 9],
                     help="completed sources S before the block")
-    ap.add_argument("--sites", type=int, default=6, help="read sites K of the block (>= 2)")
+    ap.add_argument("--sites", type=bc.positive_int, default=6, help="read sites K of the block (>= 2)")
     ap.add_argument("--keys", nargs="+", choices=KEY_KINDS, default=list(KEY_KINDS),
                     help="sliced r=d/4, attnres (r=d) or projected (r=32)")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of each arm")
@@ -184,6 +184,9 @@ def main():
     args = ap.parse_args()
     if args.sites < 2:
         ap.error("--sites must be at least 2 (a block with one merged site)")
+    if args.width < 4:
+        ap.error(f"--width {args.width}: at least 4 (sliced keys take r = d/4)")
+    bc.check_csv(ap, "--csv", args.csv)
     if args.smoke:
         bc.use_cpu_smoke()
     elif not torch.cuda.is_available():

@@ -42,6 +42,31 @@ correctness verdict, wall and GPU busy time with their % of the copy bandwidth, 
 above the inputs and the minimal bytes (MiB)."""
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def check_csv(parser, flag: str, path: str) -> None:
+    """``parser.error`` (one line, exit 2) unless ``path`` can become a CSV file: not empty,
+    not a directory, in an existing folder. Checked before anything runs."""
+    if not path.strip():
+        parser.error(f"{flag}: an empty path")
+    if os.path.isdir(path):
+        parser.error(f"{flag}: {path} is a directory, not a CSV file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"{flag}: the folder {folder} does not exist")
+
+
 def use_cpu_smoke() -> None:
     """Run on CPU under the Triton interpreter (harness checks, no real timings)."""
     global DEVICE

@@ -201,15 +201,15 @@ def summarize(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--widths", type=int, nargs="+", default=[2048, 4096])
-    ap.add_argument("--sources", type=int, nargs="+", default=[4, 9, 17])
+    ap.add_argument("--tokens", type=bc.positive_int, default=16384)
+    ap.add_argument("--widths", type=bc.positive_int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--sources", type=bc.positive_int, nargs="+", default=[4, 9, 17])
     ap.add_argument("--extra", default="", help="more d:S pairs, comma separated (e.g. 2048:33)")
     ap.add_argument("--keys", nargs="+", choices=KEY_KINDS, default=list(KEY_KINDS),
                     help="key kinds of the rows: sliced r=d/4, attnres (r=d), projected r=d/4")
     ap.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "kernels.csv"))
-    ap.add_argument("--rounds", type=int, default=bc.ROUNDS,
+    ap.add_argument("--rounds", type=bc.positive_int, default=bc.ROUNDS,
                     help="interleaved timing rounds per candidate (median taken)")
     ap.add_argument("--no-compile", action="store_true",
                     help="leave out the torch.compile peer (it compiles for every shape)")
@@ -219,9 +219,23 @@ def main():
                     help="print the summary table of an earlier run's CSV and exit")
     args = ap.parse_args()
     if args.summarize:
+        if not os.path.isfile(args.summarize):
+            ap.error(f"--summarize: {args.summarize} is not a file")
         with open(args.summarize, newline="") as f:
-            summarize([r for r in csv.DictReader(f) if r.get("pct_copy")])
+            rows = [r for r in csv.DictReader(f) if r.get("pct_copy")]
+        if not rows:
+            ap.error(f"--summarize: {args.summarize} has no rows of this benchmark")
+        summarize(rows)
         return
+    extra = []
+    for pair in filter(None, args.extra.split(",")):
+        d, _, S = pair.partition(":")
+        if not (d.isdigit() and S.isdigit() and int(d) > 0 and int(S) > 0):
+            ap.error(f"--extra: {pair!r} is not d:S with positive integers (e.g. 2048:33)")
+        extra.append((int(d), int(S)))
+    if min(args.widths + [d for d, _ in extra]) < 4:
+        ap.error("--widths: at least 4 (sliced keys take r = d/4)")
+    bc.check_csv(ap, "--csv", args.csv)
     if args.smoke:
         bc.use_cpu_smoke()
     elif not torch.cuda.is_available():
@@ -231,7 +245,7 @@ def main():
     meta = bc.meta()
     print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
     pairs = [(d, S) for S in args.sources for d in args.widths]
-    pairs += [tuple(int(x) for x in p.split(":")) for p in args.extra.split(",") if p]
+    pairs += extra
     rows = []
     for d, S in pairs:
         for label in args.keys:

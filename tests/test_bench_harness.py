@@ -330,3 +330,87 @@ def test_bench_step_refuses_in_one_line_before_building(argv, needle, tmp_path, 
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("bench_step.py: error:") and needle in err, err
     assert err.count("\n") == 1
+
+
+class _Reached(Exception):
+    """The flags were accepted: the benchmark would start measuring here."""
+
+
+def _load(script, name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kernel_bench_outcome(script, argv, monkeypatch):
+    """(exit code or "ran", stderr) of bench_block.py / bench_kernels.py on ``argv``, in this
+    process; the measurement itself is replaced by raising ``_Reached``."""
+    import contextlib
+    import io
+
+    module = _load(script, script.stem + "_under_test")
+
+    def reached(*a, **k):
+        raise _Reached
+
+    monkeypatch.setattr(module.bc, "copy_bandwidth", reached)
+    monkeypatch.setattr(module, "summarize", reached, raising=False)
+    monkeypatch.setattr(sys, "argv", [script.name] + argv)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            module.main()
+            rc = 0
+        except _Reached:
+            rc = "ran"
+        except SystemExit as e:
+            rc = e.code
+    return rc, err.getvalue()
+
+
+_KERNEL_FLAGS = {
+    "--tokens": ["64", "0", "-5", "x"], "--width": ["64", "2", "0"],
+    "--widths": ["64", "0", "3"], "--sources": ["3", "0", "-1"], "--sites": ["2", "1", "0"],
+    "--keys": ["sliced", "nope"], "--rounds": ["1", "0"], "--extra": ["64:3", "5:x", ":", ""],
+    "--csv": ["{tmp}/a.csv", "{tmp}", "{tmp}/missing/a.csv", ""],
+    "--summarize": ["{tmp}/none.csv", "{tmp}"], "--smoke": [None], "--profile": [None],
+    "--no-compile": [None], "--bogus": [None],
+}
+_KERNEL_PAIRS = [(f, v) for f, vs in _KERNEL_FLAGS.items() for v in vs]
+
+
+@pytest.mark.parametrize("script", [BLOCK, KERNELS], ids=["bench_block", "bench_kernels"])
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(pairs=st.lists(st.sampled_from(_KERNEL_PAIRS), max_size=4))
+def test_kernel_benchmarks_fuzzed_flags_run_or_refuse_in_one_line(script, pairs, tmp_path,
+                                                                  monkeypatch):
+    """bench_block.py and bench_kernels.py: any command line reaches the measurement or ends
+    with one error line (argparse's usage errors: usage, then one ``error:`` line); never a
+    traceback."""
+    argv = ["--smoke"] + [x.replace("{tmp}", str(tmp_path)) for pair in pairs for x in pair
+                          if x is not None]
+    rc, err = _kernel_bench_outcome(script, argv, monkeypatch)
+    assert "Traceback" not in err, (argv, err)
+    if rc != "ran":
+        assert rc not in (0, None), (argv, rc, err)
+        assert ": error: " in err.rstrip().splitlines()[-1], (argv, err)
+
+
+@pytest.mark.parametrize("script,argv,needle", [
+    (BLOCK, ["--width", "2"], "at least 4"),
+    (BLOCK, ["--sources", "0"], "not a positive integer"),
+    (BLOCK, ["--csv", "{tmp}"], "is a directory"),
+    (KERNELS, ["--extra", "5:x"], "'5:x' is not d:S"),
+    (KERNELS, ["--csv", "{tmp}/missing/k.csv"], "does not exist"),
+    (KERNELS, ["--summarize", "{tmp}"], "is not a file"),
+], ids=["block-width", "block-sources", "block-csv-dir", "kernels-extra", "kernels-csv-folder",
+        "kernels-summarize-dir"])
+def test_kernel_benchmarks_refuse_bad_flags_before_measuring(script, argv, needle, tmp_path,
+                                                             monkeypatch):
+    argv = ["--smoke"] + [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    rc, err = _kernel_bench_outcome(script, argv, monkeypatch)
+    assert rc == 2 and needle in err.rstrip().splitlines()[-1], (rc, err)
