@@ -24,6 +24,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_lrattn.training.arg_types import positive_int  # noqa: E402,F401 (flag type)
+
 TOL_BF16 = 1e-2
 """Relative-RMS tolerance of a bf16 run against the fp32-math reference on the same data."""
 
@@ -40,19 +42,6 @@ FIELDS = META_FIELDS + [
 """The columns of a benchmark row: provenance, shape, backend, pass (fwd / fwdbwd), the
 correctness verdict, wall and GPU busy time with their % of the copy bandwidth, peak memory
 above the inputs and the minimal bytes (MiB)."""
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
 
 
 def check_csv(parser, flag: str, path: str) -> None:

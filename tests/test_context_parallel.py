@@ -67,7 +67,7 @@ def _attention_worker(rank: int, world: int, store: str, heads: int, groups: int
 
 @pytest.mark.parametrize("world,heads,groups", [
     pytest.param(2, 4, 4, id="cp2_mha", marks=pytest.mark.slow),
-    pytest.param(2, 4, 2, id="cp2_gqa"),
+    pytest.param(2, 4, 2, id="cp2_gqa", marks=pytest.mark.slow),
     pytest.param(4, 2, 1, id="cp4_mqa", marks=pytest.mark.slow),
 ])
 def test_context_parallel_attention_equals_full_attention(world, heads, groups, tmp_path):

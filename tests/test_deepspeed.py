@@ -33,6 +33,7 @@ def test_bad_input_is_one_line(argv, needle):
     assert needle in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_cuda_asked_without_a_gpu_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{}")

@@ -31,6 +31,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from megatron_lrattn.training.arg_types import nonnegative_int, positive_int  # noqa: E402
+
 from megatron_lrattn.ops import tuning  # noqa: E402
 from megatron_lrattn.ops.site_read import fused, source_tiled  # noqa: E402
 
@@ -77,15 +79,16 @@ def ptxas_report(ptx, arch):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--widths", type=int, nargs="+", default=[2048, 4096])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--widths", type=positive_int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--warps", type=int, nargs="+", choices=(1, 2, 4, 8, 16, 32),
+                    default=[4, 8], metavar="WARPS")
+    ap.add_argument("--arch", type=positive_int, default=90, help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--no-align", action="store_true", help="without the 16-byte alignment facts")
-    ap.add_argument("--key-chunk", type=int, default=0, metavar="R",
+    ap.add_argument("--key-chunk", type=nonnegative_int, default=0, metavar="R",
                     help="backward with the sliced keys read as rows of their own (KC, what "
                          "the kernels do where pow2(r) < pow2(d)), r=R; without it the keys "
                          "are read inside the rows, as for AttnRes (r = d)")
-    ap.add_argument("--maxnreg", type=int, default=None,
+    ap.add_argument("--maxnreg", type=nonnegative_int, default=None,
                     help="register cap per thread of both kernels, 0 = none (default: the "
                          "kernels' own, tuning.SOURCE_TILED_MAXNREG)")
     args = ap.parse_args()

@@ -40,9 +40,8 @@ def load_runs(folder: Path) -> Dict[str, Dict[int, List[dict]]]:
         m = _NAME.match(path.name)
         if not m or m["eval"] != ".jsonl":
             continue
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         arm = m["arm"] + (f"_lr{m['lr']}" if m["lr"] else "")
-        runs.setdefault(arm, {})[int(m["seed"])] = rows
+        runs.setdefault(arm, {})[int(m["seed"])] = _metrics_rows(path)
     return runs
 
 
@@ -55,8 +54,40 @@ def load_evals(folder: Path) -> Dict[str, Dict[int, dict]]:
         if not m or m["eval"] != "_eval.json":
             continue
         arm = m["arm"] + (f"_lr{m['lr']}" if m["lr"] else "")
-        evals.setdefault(arm, {})[int(m["seed"])] = json.loads(path.read_text())
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StudyError(f"{path}: not an lrattn-eval result ({e})") from None
+        if not isinstance(results, dict) or not isinstance(results.get("tasks"), dict):
+            raise StudyError(f"{path}: not an lrattn-eval result (no 'tasks')")
+        evals.setdefault(arm, {})[int(m["seed"])] = results
     return evals
+
+
+class StudyError(ValueError):
+    """A study file that cannot be read; the message names it."""
+
+
+def _metrics_rows(path: Path) -> List[dict]:
+    """The records of one ``--log-json`` file. A run stopped while writing leaves a cut last
+    line: that line is left out (with a note); a bad line before it is an error."""
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise StudyError(f"{path}: unreadable ({e})") from None
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 and rows:
+                print(f"study_report: {path.name}: a cut last line left out", file=sys.stderr)
+                break
+            raise StudyError(f"{path}: line {i + 1} is not JSON") from None
+        if not isinstance(row, dict) or "type" not in row:
+            raise StudyError(f"{path}: line {i + 1} is not a metrics record")
+        rows.append(row)
+    return rows
 
 
 def eval_metrics(results: dict) -> Dict[str, float]:
@@ -310,8 +341,16 @@ def main(argv=None) -> int:
     p.add_argument("folder", type=Path, help="folder with <arm>_seed<k>.jsonl files")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: folder)")
     args = p.parse_args(argv)
-    runs = load_runs(args.folder)
-    evals = load_evals(args.folder)
+    if not args.folder.is_dir():
+        p.error(f"{args.folder} is not a folder")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is not a folder")
+    try:
+        runs = load_runs(args.folder)
+        evals = load_evals(args.folder)
+    except StudyError as e:
+        print(f"study_report: error: {e}", file=sys.stderr)
+        return 2
     if not runs:
         print(f"study_report: error: no <arm>_seed<k>.jsonl files in {args.folder}",
               file=sys.stderr)

@@ -19,13 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def main() -> None:
+    from megatron_lrattn.training.arg_types import positive_int
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=128, help="sequence length (tiny preset: 128)")
-    p.add_argument("--mbs", type=int, default=8, help="micro-batch size (tiny preset: 8)")
+    p.add_argument("--seq", type=positive_int, default=128, help="sequence length (tiny preset: 128)")
+    p.add_argument("--mbs", type=positive_int, default=8, help="micro-batch size (tiny preset: 8)")
     p.add_argument("--residual", choices=("attnres", "lr_attnres"), default="attnres")
     p.add_argument("--key", choices=("sliced", "projected"), default="sliced")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--top", type=int, default=12, help="gradients to list")
+    p.add_argument("--steps", type=positive_int, default=2)
+    p.add_argument("--top", type=positive_int, default=12, help="gradients to list")
     a = p.parse_args()
 
     import test_two_phase_model as t

@@ -17,9 +17,19 @@ import statistics
 import sys
 
 
+class MetricsError(ValueError):
+    """A metrics file that cannot be read as ``--log-json`` records."""
+
+
 def _records(path: str) -> list:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(path) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MetricsError(f"{path}: not a readable metrics file ({e})") from None
+    if not all(isinstance(r, dict) and "type" in r for r in recs):
+        raise MetricsError(f"{path}: not a metrics file (records without a 'type')")
+    return recs
 
 
 def summarize(path: str, skip: int) -> dict | None:
@@ -49,7 +59,11 @@ def _fmt(x, spec):
 def table(paths: list, skip: int, json_out: str | None) -> None:
     rows = []
     for path in paths:
-        row = summarize(path, skip) if os.path.isfile(path) else None
+        try:
+            row = summarize(path, skip) if os.path.isfile(path) else None
+        except (MetricsError, KeyError, TypeError) as e:
+            print(f"{path}: unreadable ({str(e).splitlines()[0]})")
+            continue
         if row is None:
             print(f"{path}: missing or no training rows")
         else:
@@ -71,19 +85,24 @@ def table(paths: list, skip: int, json_out: str | None) -> None:
 
 
 def _losses(path: str) -> dict:
-    return {r["iteration"]: r["loss"] for r in _records(path) if r["type"] == "train"}
+    return {r["iteration"]: r["loss"] for r in _records(path)
+            if r["type"] == "train" and "iteration" in r and isinstance(r.get("loss"), float)}
 
 
 def compare(ref_path: str, paths: list) -> None:
     ref = _losses(ref_path)
     for path in paths:
-        got = _losses(path) if os.path.isfile(path) else {}
-        common = sorted(set(ref) & set(got))
         name = os.path.basename(path)
+        try:
+            got = _losses(path) if os.path.isfile(path) else {}
+        except MetricsError as e:
+            print(f"{name}: unreadable ({e})")
+            continue
+        common = sorted(set(ref) & set(got))
         if not common:
             print(f"{name}: no iterations in common with {os.path.basename(ref_path)}")
             continue
-        rel = [abs(got[i] - ref[i]) / abs(ref[i]) for i in common]
+        rel = [abs(got[i] - ref[i]) / max(abs(ref[i]), 1e-30) for i in common]
         same = all(repr(got[i]) == repr(ref[i]) for i in common)
         print(f"{name} vs {os.path.basename(ref_path)}: {len(common)} iterations, max |dloss|/loss "
               f"{max(rel):.2e}, mean {sum(rel) / len(rel):.2e}{', bitwise equal' if same else ''}")
@@ -94,17 +113,34 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table", help="one row per metrics file")
     t.add_argument("files", nargs="+")
-    t.add_argument("--skip", type=int, default=4, help="training rows left out of the medians")
+    t.add_argument("--skip", type=_nonnegative, default=4,
+                   help="training rows left out of the medians")
     t.add_argument("--json", help="also write the rows here")
     c = sub.add_parser("compare", help="training losses against a reference run")
     c.add_argument("ref")
     c.add_argument("files", nargs="+")
     args = p.parse_args(argv)
-    if args.cmd == "table":
-        table(args.files, args.skip, args.json)
-    else:
-        compare(args.ref, args.files)
+    if args.cmd == "table" and args.json and (os.path.isdir(args.json) or not os.path.isdir(
+            os.path.dirname(os.path.abspath(args.json)))):
+        p.error(f"--json {args.json}: not a file in an existing folder")
+    if args.cmd == "compare" and not os.path.isfile(args.ref):
+        p.error(f"compare: the reference {args.ref} is not a file")
+    try:
+        if args.cmd == "table":
+            table(args.files, args.skip, args.json)
+        else:
+            compare(args.ref, args.files)
+    except MetricsError as e:
+        print(f"metrics.py: error: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 0")
+    return value
 
 
 if __name__ == "__main__":
