@@ -31,6 +31,9 @@ def test_fusions_on_cuda_by_default_and_each_flag_turns_one_off():
     assert fusion_config(_args("--no-bias-dropout-fusion"), cuda=True)["bias_dropout_fusion"] is False
     assert "cross_entropy_loss_fusion" not in fusion_config(
         _args("--no-cross-entropy-loss-fusion"), cuda=True)
+    triton = fusion_config(_args("--cross-entropy-fusion-impl", "triton"), cuda=True)
+    assert triton["triton_cross_entropy"] is True and triton["cross_entropy_loss_fusion"]
+    assert "triton_cross_entropy" not in on
     # GeLU without biases has nothing to fuse (megatron-core refuses that combination)
     assert fusion_config(_args(swiglu=False), cuda=True)["bias_activation_fusion"] is False
     assert fusion_config(_args(swiglu=False, bias=True), cuda=True)["bias_activation_fusion"]
@@ -47,6 +50,10 @@ def test_megatron_accepts_the_fused_config(swiglu, bias):
                           add_bias_linear=bias,
                           **fusion_config(_args(swiglu=swiglu, bias=bias), cuda=True))
     assert cfg.bias_activation_fusion and cfg.cross_entropy_loss_fusion
+    cfg = LRAttnResConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_blocks=2,
+                          **fusion_config(_args("--cross-entropy-fusion-impl", "triton",
+                                                swiglu=swiglu, bias=bias), cuda=True))
+    assert cfg.triton_cross_entropy and cfg.cross_entropy_fusion_impl == "native"
 
 
 class _Wrapper:

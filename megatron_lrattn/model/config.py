@@ -73,6 +73,11 @@ class LRAttnResConfig(TransformerConfig):
     normalised read (``megatron_lrattn.ops.depth_merge(norm_weight=...)``). Norms fused
     into the following linear (TE spec), LayerNorm and per-site reads are unaffected."""
 
+    triton_cross_entropy: bool = False
+    """With ``cross_entropy_loss_fusion``: the loss is ``megatron_lrattn.ops.cross_entropy``
+    (Triton) instead of megatron-core's ``native`` fusion; same loss, and the backward keeps
+    the logits instead of their fp32 softmax (``--cross-entropy-fusion-impl triton``)."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.residual not in RESIDUAL_MODES:

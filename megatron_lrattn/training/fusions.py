@@ -8,7 +8,10 @@ that fallback to torch's single-kernel fused AdamW (the same update, one kernel 
 group). On CPU nothing changes: compiling there would cost minutes of test time and buys
 nothing. The rotary embedding is fused in the SDPA core (``megatron_lrattn.model.attention``).
 ``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
-``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off. The training
+``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off;
+``--cross-entropy-fusion-impl triton`` swaps megatron-core's compiled cross entropy for
+``megatron_lrattn.ops.cross_entropy`` (one pass over the logits; the backward keeps the
+logits instead of an fp32 softmax). The training
 step also adds weight gradients to megatron's fp32 gradient buffer inside the GEMM
 (megatron-core's gradient-accumulation fusion, ``megatron_lrattn.compat.wgrad_fusion``;
 ``--no-gradient-accumulation-fusion``).
@@ -41,6 +44,12 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
                    action="store_false",
                    help="megatron-core's unfused vocab-parallel cross-entropy (default: its "
                         "compiled native fusion)")
+    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "triton"),
+                   default="native",
+                   help="the fused cross entropy: native = megatron-core's compiled one "
+                        "(keeps the fp32 softmax for the backward), triton = "
+                        "megatron_lrattn.ops.cross_entropy (one pass over the logits, keeps "
+                        "the logits and two numbers per token; default: native)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="add each weight gradient to the fp32 gradient buffer in a separate "
@@ -66,6 +75,8 @@ def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:
     }
     if getattr(args, "cross_entropy_loss_fusion", True):
         out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+        if getattr(args, "cross_entropy_fusion_impl", "native") == "triton":
+            out["triton_cross_entropy"] = True
     return out
 
 

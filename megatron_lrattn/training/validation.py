@@ -231,6 +231,11 @@ def validate_args(args: argparse.Namespace) -> None:
     from megatron_lrattn.training.downstream import check_downstream_args
 
     check_downstream_args(args)
+    if (getattr(args, "cross_entropy_fusion_impl", "native") != "native"
+            and not getattr(args, "cross_entropy_loss_fusion", True)):
+        raise ArgumentError(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl} "
+                            "picks the fused cross entropy; it contradicts "
+                            "--no-cross-entropy-loss-fusion")
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.max_position_embeddings is None:
