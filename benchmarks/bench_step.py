@@ -27,6 +27,8 @@ import argparse
 import functools
 import logging
 import os
+import re
+import shlex
 import statistics
 import sys
 import time
@@ -89,6 +91,11 @@ def _own_parser() -> argparse.ArgumentParser:
     p.add_argument("--copies-csv", default=None,
                    help="attribute the copies of one eager step of each of our models to their "
                         "source lines (step_sources.py) and append them here")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also build every arm with these extra lrattn-profile flags, named "
+                        "'ours ARM [NAME]', timed alternating with the rest (e.g. "
+                        "--variant 'ce_triton=--cross-entropy-fusion-impl triton'); "
+                        "repeatable")
     p.add_argument("--saved-csv", default=None,
                    help="the tensors autograd saves in that step, by forward line "
                         "(step_sources.py), appended here")
@@ -177,7 +184,7 @@ class _Timed:
             self.kernels = {e.key: float(e.self_cpu_time_total) for e in prof.key_averages()}
 
 
-def _our_model(arm, args, vocab: int, num_micro: int, batch, device) -> _Timed:
+def _our_model(arm, args, vocab: int, num_micro: int, batch, device, tag=None) -> _Timed:
     """One of our arms, stepped by the training step ``lrattn-pretrain`` runs."""
     import itertools
 
@@ -189,7 +196,8 @@ def _our_model(arm, args, vocab: int, num_micro: int, batch, device) -> _Timed:
     counter = itertools.count(1)
     flops = flops_per_token(model_shape(arm_args(args, arm), vocab))["total"]
     graph = run.step.graph
-    return _Timed(f"ours {arm.name}", lambda: run.step.train(batches, next(counter)).loss,
+    name = f"ours {arm.name}" + (f" [{tag}]" if tag else "")
+    return _Timed(name, lambda: run.step.train(batches, next(counter)).loss,
                   run.step.num_params, flops,
                   capture_bytes=lambda: graph.capture_peak_bytes if graph is not None else 0,
                   tensors=lambda: [p for m in run.step.models for p in m.parameters()])
@@ -258,6 +266,23 @@ def parse(argv: List[str]):
 
     own, rest = _own_flags(argv)
     args = parse_args(rest)
+    own.variants = []
+    for spec in own.variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ArgumentError(f"--variant {spec!r}: NAME=FLAGS with a name of letters, "
+                                "digits, '_', '.' or '-'")
+        if name in [n for n, _ in own.variants]:
+            raise ArgumentError(f"--variant {name}: given twice")
+        try:
+            extra = shlex.split(flags)
+            variant = parse_args(rest + extra)
+        except (ArgumentError, ValueError) as e:
+            raise ArgumentError(f"--variant {name}: {str(e).splitlines()[0]}") from None
+        except SystemExit:
+            raise ArgumentError(f"--variant {name}: lrattn-profile refused {flags!r} "
+                                "(its message is above)") from None
+        own.variants.append((name, variant))
     if args.tensor_model_parallel_size * args.pipeline_model_parallel_size != 1:
         raise ArgumentError("one GPU only: --tensor-model-parallel-size and "
                             "--pipeline-model-parallel-size must be 1")
@@ -288,8 +313,9 @@ def run(own, args) -> int:
         batch = synthetic_batch(args.micro_batch_size, args.seq_length, vocab, rt.device,
                                 args.seed)
         tokens = args.micro_batch_size * args.seq_length
-        builders = [functools.partial(_our_model, a, args, vocab, 1, batch, rt.device)
-                    for a in args.arm_specs]
+        builders = [functools.partial(_our_model, a, a_args, vocab, 1, batch, rt.device, tag)
+                    for tag, a_args in [(None, args)] + own.variants
+                    for a in a_args.arm_specs]
         if not own.no_plain:
             builders.append(functools.partial(_plain_model, args, vocab, batch,
                                               compile=not own.no_compile))
@@ -327,10 +353,10 @@ def run(own, args) -> int:
         ref = rows[-1]["median_step_ms"] if not own.no_plain else rows[0]["median_step_ms"]
         base = dict(bench_common.meta(), preset=args.preset, micro_batch_size=args.micro_batch_size,
                     seq_length=args.seq_length, vocab_size=vocab)
-        print(f"{'model':28s} {'step ms':>9s} {'x ref':>6s} {'MFU':>6s} {'peak GiB':>9s}")
+        print(f"{'model':36s} {'step ms':>9s} {'x ref':>6s} {'MFU':>6s} {'peak GiB':>9s}")
         for row in rows:
             row["vs_reference"] = round(row["median_step_ms"] / ref, 4)
-            print(f"{row['model']:28s} {row['median_step_ms']:9.1f} {row['vs_reference']:6.3f} "
+            print(f"{row['model']:36s} {row['median_step_ms']:9.1f} {row['vs_reference']:6.3f} "
                   f"{row['mfu']:6.1%} {row['peak_memory_gib']:9.2f}")
         if own.csv:
             out = [dict(base, **row) for row in rows]

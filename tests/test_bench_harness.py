@@ -281,6 +281,8 @@ _STEP_VALUES = {
     "--seq-length": ["16", "0", "1e9"], "--hidden-size": ["64", "65", "0"],
     "--tensor-model-parallel-size": ["1", "2"], "--projected-rank": ["8", "0", "1000"],
     "--bogus": [None, "1"],
+    "--variant": ["ce=--cross-entropy-fusion-impl triton", "x", "ce=--bogus", "ce='open",
+                  "n=--num-blocks 99"],
 }
 _STEP_PAIRS = [(f, v) for f, vs in _STEP_VALUES.items() for v in vs]
 
@@ -414,3 +416,15 @@ def test_kernel_benchmarks_refuse_bad_flags_before_measuring(script, argv, needl
     argv = ["--smoke"] + [a.replace("{tmp}", str(tmp_path)) for a in argv]
     rc, err = _kernel_bench_outcome(script, argv, monkeypatch)
     assert rc == 2 and needle in err.rstrip().splitlines()[-1], (rc, err)
+
+
+def test_bench_step_variants_parse_to_their_own_arguments():
+    bench_step = _bench_step_module()
+    own, args = bench_step.parse(_STEP_BASE + [
+        "--variant", "ce=--cross-entropy-fusion-impl triton",
+        "--variant", "n4=--num-blocks 4 --cross-entropy-fusion-impl triton"])
+    assert args.cross_entropy_fusion_impl == "native"
+    assert [(n, a.cross_entropy_fusion_impl, a.num_blocks) for n, a in own.variants] == [
+        ("ce", "triton", args.num_blocks), ("n4", "triton", 4)]
+    with pytest.raises(Exception, match="given twice"):
+        bench_step.parse(_STEP_BASE + ["--variant", "a=--seed 2", "--variant", "a=--seed 3"])
