@@ -104,17 +104,18 @@ class _CrossEntropy(torch.autograd.Function):
         if n:
             _stats_kernel[(n,)](x, x.stride(0), t, start, vocab, row_max, row_sum, picked,
                                 BLOCK=_block(vocab), num_warps=WARPS)
+        # a target outside this shard (or outside the vocabulary) contributes no logit
+        inside = (t >= start) & (t < start + vocab)
         if world > 1:
             local_max = row_max
             row_max = local_max.clone()
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            inside = (t >= start) & (t < start + vocab)
             both = torch.stack([row_sum * torch.exp(local_max - row_max),
                                 torch.where(inside, picked - row_max, 0.0)])
             dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
             row_sum, shifted = both[0], both[1]
         else:
-            shifted = picked - row_max
+            shifted = torch.where(inside, picked - row_max, 0.0)
         ctx.save_for_backward(x, t, row_max, row_sum)
         ctx.shape, ctx.start = logits.shape, start
         return (torch.log(row_sum) - shifted).view(target.shape)
