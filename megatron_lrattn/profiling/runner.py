@@ -151,9 +151,9 @@ def timed_step(run: ArmRun, batches) -> None:
 
 
 def depth_read_kernel_names() -> List[str]:
-    """Names of the fused depth-read GPU kernels (every Triton kernel of
-    ``megatron_lrattn.ops``: the per-site read and the two-phase schedule's phase 1 and
-    merges); empty without Triton."""
+    """Names of the fused depth-read GPU kernels (the Triton kernels of the depth ops: the
+    per-site read and the two-phase schedule's phase 1 and merges; not the cross entropy's);
+    empty without Triton."""
     return fused_kernel_names()
 
 
