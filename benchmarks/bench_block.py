@@ -173,7 +173,8 @@ def main():
     ap.add_argument("--width", type=bc.positive_int, default=2048)
     ap.add_argument("--sources", type=bc.positive_int, nargs="+", default=[5, 9],
                     help="completed sources S before the block")
-    ap.add_argument("--sites", type=bc.positive_int, default=6, help="read sites K of the block (>= 2)")
+    ap.add_argument("--sites", type=bc.positive_int, default=6,
+                    help="read sites K of the block (>= 2)")
     ap.add_argument("--keys", nargs="+", choices=KEY_KINDS, default=list(KEY_KINDS),
                     help="sliced r=d/4, attnres (r=d) or projected (r=32)")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel of each arm")

@@ -35,7 +35,8 @@ def main() -> int:
     p.add_argument("--step-seconds", type=positive_float, default=0.25,
                    help="stand-in for the step's GPU work (default: 0.25)")
     p.add_argument("--steps", type=positive_int, default=40, help="timed steps (default: 40)")
-    p.add_argument("--num-workers", type=nonnegative_int, nargs="+", default=[0, 2], help="default: 0 2")
+    p.add_argument("--num-workers", type=nonnegative_int, nargs="+", default=[0, 2],
+                   help="default: 0 2")
     args = p.parse_args()
 
     from megatron_lrattn.data.datasets import build_gpt_datasets

@@ -82,7 +82,8 @@ def main():
     ap.add_argument("--widths", type=positive_int, nargs="+", default=[2048, 4096])
     ap.add_argument("--warps", type=int, nargs="+", choices=(1, 2, 4, 8, 16, 32),
                     default=[4, 8], metavar="WARPS")
-    ap.add_argument("--arch", type=positive_int, default=90, help="compute capability x 10 (90: H100/H200)")
+    ap.add_argument("--arch", type=positive_int, default=90,
+                    help="compute capability x 10 (90: H100/H200)")
     ap.add_argument("--no-align", action="store_true", help="without the 16-byte alignment facts")
     ap.add_argument("--key-chunk", type=nonnegative_int, default=0, metavar="R",
                     help="backward with the sliced keys read as rows of their own (KC, what "

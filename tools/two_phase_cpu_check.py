@@ -22,7 +22,8 @@ def main() -> None:
     from megatron_lrattn.training.arg_types import positive_int
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=positive_int, default=128, help="sequence length (tiny preset: 128)")
+    p.add_argument("--seq", type=positive_int, default=128,
+                   help="sequence length (tiny preset: 128)")
     p.add_argument("--mbs", type=positive_int, default=8, help="micro-batch size (tiny preset: 8)")
     p.add_argument("--residual", choices=("attnres", "lr_attnres"), default="attnres")
     p.add_argument("--key", choices=("sliced", "projected"), default="sliced")

@@ -38,8 +38,8 @@ WARPS = 8
 
 
 @triton.jit
-def cross_entropy_stats_kernel(logits, row_stride, target, vocab_start, vocab, out_max, out_sum,
-                  out_picked, BLOCK: tl.constexpr):
+def cross_entropy_stats_kernel(logits, row_stride, target, vocab_start, vocab, out_max,
+                               out_sum, out_picked, BLOCK: tl.constexpr):
     # one token per program: running max, rescaled sum of exponentials, the target's logit
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * row_stride
@@ -65,8 +65,8 @@ def cross_entropy_stats_kernel(logits, row_stride, target, vocab_start, vocab, o
 
 
 @triton.jit
-def cross_entropy_grad_kernel(logits, row_stride, target, vocab_start, vocab, row_max, row_sum, grad_loss,
-                 grad_logits, BLOCK: tl.constexpr):
+def cross_entropy_grad_kernel(logits, row_stride, target, vocab_start, vocab, row_max,
+                              row_sum, grad_loss, grad_logits, BLOCK: tl.constexpr):
     # (softmax - onehot(target)) * grad_loss, one token per program, in the logits' dtype
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * row_stride
@@ -102,8 +102,8 @@ class _CrossEntropy(torch.autograd.Function):
         start = rank * vocab
         row_max, row_sum, picked = (tu.empty((n,), torch.float32, x.device) for _ in range(3))
         if n:
-            cross_entropy_stats_kernel[(n,)](x, x.stride(0), t, start, vocab, row_max, row_sum, picked,
-                                BLOCK=_block(vocab), num_warps=WARPS)
+            cross_entropy_stats_kernel[(n,)](x, x.stride(0), t, start, vocab, row_max, row_sum,
+                                             picked, BLOCK=_block(vocab), num_warps=WARPS)
         # a target outside this shard (or outside the vocabulary) contributes no logit
         inside = (t >= start) & (t < start + vocab)
         if world > 1:
@@ -127,8 +127,9 @@ class _CrossEntropy(torch.autograd.Function):
         g = grad_loss.reshape(-1).float().contiguous()
         grad = tu.empty((n, vocab), x.dtype, x.device)
         if n:
-            cross_entropy_grad_kernel[(n,)](x, x.stride(0), t, ctx.start, vocab, row_max, row_sum, g, grad,
-                               BLOCK=_block(vocab), num_warps=WARPS)
+            cross_entropy_grad_kernel[(n,)](x, x.stride(0), t, ctx.start, vocab, row_max,
+                                            row_sum, g, grad, BLOCK=_block(vocab),
+                                            num_warps=WARPS)
         return grad.view(ctx.shape), None, None
 
 
