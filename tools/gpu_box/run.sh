@@ -133,7 +133,10 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
     # plain-PyTorch model, alternating, kernel tables) where two models fit one GPU, then
     # lrattn-profile for all four arms. 4b runs lrattn-profile only (--sequential): one 4b
     # model with its optimizer is about 56 GB, so two do not fit beside the activations.
-    local preset flags common=(--no-qk-layernorm --vocab-size 32768 --warmup-steps 4)
+    local preset flags common=(--no-qk-layernorm --vocab-size 32768 --warmup-steps 4) v entry
+    local variants=()  # BENCH_VARIANTS: NAME=FLAGS entries separated by ';' (bench_step --variant)
+    IFS=';' read -ra v <<< "${BENCH_VARIANTS:-}"
+    for entry in "${v[@]}"; do [ -n "$entry" ] && variants+=(--variant "$entry"); done
     for preset in ${PRESETS:-0.5b 1b 4b}; do
         case $preset in
         4b) flags=(--micro-batch-size 1 --global-batch-size 1 --tensor-model-parallel-size 1
@@ -144,7 +147,7 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
             step "bench_step.py, $preset" "${BENCH_S:-300}" python3 benchmarks/bench_step.py \
                 --preset "$preset" "${flags[@]}" "${common[@]}" \
                 --arms "${BENCH_ARMS:-standard,lr_attnres}" --rounds 5 --steps-per-round 3 \
-                --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv" \
+                "${variants[@]}" --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv" \
                 --copies-csv "$OUT/step_copies.csv" --saved-csv "$OUT/step_saved.csv"
         fi
         local seq=()
