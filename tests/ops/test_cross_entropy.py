@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lrattn.ops import cross_entropy as ce
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from op_checks import DEVICE, gpu, rel_rms
 
 
 def _inputs(shape, vocab, dtype, scale=4.0, seed=0):
@@ -142,14 +141,14 @@ def test_tensor_parallel_shards_match_the_whole_vocabulary(world, vocab, dtype, 
 def test_model_loss_and_every_gradient_match_megatrons_cross_entropy(residual):
     """``LRAttnResGPTModel`` with ``triton_cross_entropy``: the per-token loss and every
     parameter gradient equal those of the same model with megatron-core's cross entropy."""
-    from helpers import build_gpt, model_parallel_1x1, rel_rms, tiny_batch, tiny_config
+    from helpers import build_gpt, model_parallel_1x1, tiny_batch, tiny_config
 
     def run(triton_ce):
         depth = {} if residual == "standard" else {"num_blocks": 2}
         config = tiny_config(residual, cross_entropy_loss_fusion=triton_ce,
                              triton_cross_entropy=triton_ce, **depth)
-        model = build_gpt(config)
-        tokens, pos, labels = tiny_batch()
+        model = build_gpt(config).to(DEVICE)
+        tokens, pos, labels = (t.to(DEVICE) for t in tiny_batch())
         loss = model(tokens, pos, None, labels=labels)
         loss.sum().backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -163,3 +162,14 @@ def test_model_loss_and_every_gradient_match_megatrons_cross_entropy(residual):
     errors = {name: rel_rms(g, ref_grads[name]) for name, g in grads.items()}
     # fp32: the online and the two-pass sums of exponentials differ in the last bits only
     assert max(errors.values()) < 1e-6, errors
+
+
+@gpu
+def test_benchmark_shape_bf16_on_the_gpu():
+    """The 1b benchmark's loss: 16384 tokens x vocabulary 32768, bf16 logits, against torch's
+    cross entropy of the same logits in fp32."""
+    logits, target, grad = _inputs((2048, 8), 32768, torch.bfloat16, scale=3.0, seed=7)
+    loss, dx = _loss_and_grad(ce.vocab_parallel_cross_entropy, logits, target, grad)
+    ref_loss, ref_dx = _loss_and_grad(_torch_ce, logits, target, grad)
+    assert rel_rms(loss, ref_loss) < 1e-6
+    assert rel_rms(dx, ref_dx) < 1e-2
