@@ -31,6 +31,7 @@ OUR_FIELDS = {
     "depth_backend": "auto",
     "depth_schedule": "auto",
     "fuse_depth_norm": True,
+    "triton_cross_entropy": False,
 }
 
 
