@@ -44,16 +44,25 @@ correctness verdict, wall and GPU busy time with their % of the copy bandwidth, 
 above the inputs and the minimal bytes (MiB)."""
 
 
-def check_csv(parser, flag: str, path: str) -> None:
-    """``parser.error`` (one line, exit 2) unless ``path`` can become a CSV file: not empty,
-    not a directory, in an existing folder. Checked before anything runs."""
+def csv_path_problem(flag: str, path: str):
+    """Why ``path`` cannot become a CSV file (empty, a directory, or in a folder that does
+    not exist), as one message naming ``flag``; None when it can."""
     if not path.strip():
-        parser.error(f"{flag}: an empty path")
+        return f"{flag}: an empty path"
     if os.path.isdir(path):
-        parser.error(f"{flag}: {path} is a directory, not a CSV file")
+        return f"{flag}: {path} is a directory, not a CSV file"
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        parser.error(f"{flag}: the folder {folder} does not exist")
+        return f"{flag}: the folder {folder} does not exist"
+    return None
+
+
+def check_csv(parser, flag: str, path: str) -> None:
+    """``parser.error`` (one line, exit 2) when ``csv_path_problem`` finds one; checked
+    before anything runs."""
+    problem = csv_path_problem(flag, path)
+    if problem:
+        parser.error(problem)
 
 
 def use_cpu_smoke() -> None:

@@ -110,16 +110,10 @@ def _own_flags(argv: Sequence[str]):
     own, rest = _own_parser().parse_known_args(argv)
     for flag in ("csv", "kernels_csv", "copies_csv", "saved_csv"):
         path = getattr(own, flag)
-        if path is None:
-            continue
-        name = "--" + flag.replace("_", "-")
-        if not path.strip():
-            raise ArgumentError(f"{name}: an empty path")
-        if os.path.isdir(path):
-            raise ArgumentError(f"{name}: {path} is a directory, not a CSV file")
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise ArgumentError(f"{name}: the folder {parent} does not exist")
+        problem = path is not None and bench_common.csv_path_problem(
+            "--" + flag.replace("_", "-"), path)
+        if problem:
+            raise ArgumentError(problem)
     return own, rest
 
 

@@ -99,3 +99,16 @@ def test_fused_adamw_matches_multi_tensor_adamw_on_cuda():
         ob.step()
     for pa, pb in zip(a, b):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_cross_entropy_needs_the_fusion_on():
+    """``--cross-entropy-fusion-impl triton`` with ``--no-cross-entropy-loss-fusion`` is a
+    contradiction, refused in one line before anything is built."""
+    from megatron_lrattn.training.arguments import parse_args
+    from megatron_lrattn.training.arg_types import ArgumentError
+
+    with pytest.raises(ArgumentError, match="contradicts --no-cross-entropy-loss-fusion"):
+        parse_args(["--preset", "tiny", "--cross-entropy-fusion-impl", "triton",
+                    "--no-cross-entropy-loss-fusion"])
+    assert parse_args(["--preset", "tiny", "--cross-entropy-fusion-impl", "triton"]
+                      ).cross_entropy_fusion_impl == "triton"
