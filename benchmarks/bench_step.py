@@ -94,7 +94,7 @@ def _own_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also build every arm with these extra lrattn-profile flags, named "
                         "'ours ARM [NAME]', timed alternating with the rest (e.g. "
-                        "--variant 'ce_triton=--cross-entropy-fusion-impl triton'); "
+                        "--variant 'ce_native=--cross-entropy-fusion-impl native'); "
                         "repeatable")
     p.add_argument("--saved-csv", default=None,
                    help="the tensors autograd saves in that step, by forward line "
@@ -216,6 +216,30 @@ def _plain_model(args, vocab: int, batch, compile: bool) -> _Timed:
                   lambda: trainer.step(tokens, labels), trainer.num_params(), flops)
 
 
+def _release() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _step_sources(builders) -> "tuple[Dict[str, List], Dict[str, List]]":
+    """(copies, saved) tables of one eager step of each of our models, each built afresh:
+    the second step of the new model (warm; a CUDA graph is captured only after 3)."""
+    copies: Dict[str, List[Dict[str, object]]] = {}
+    saved: Dict[str, List[Dict[str, object]]] = {}
+    for build in builders:
+        m = build()
+        m.run(timed=False)
+        with CopySources() as cs, SavedTensors(before=m.tensors()) as st:
+            m.run(timed=False)
+        copies[m.name], saved[m.name] = cs.table(), st.table()
+        del m
+        _release()
+    return copies, saved
+
+
 def _summary(m: _Timed, tokens: int, peak_tflops: float) -> Dict[str, object]:
     step = statistics.median(m.times)
     return {"model": m.name, "params": m.num_params, "median_step_ms": round(step * 1e3, 2),
@@ -307,9 +331,9 @@ def run(own, args) -> int:
         batch = synthetic_batch(args.micro_batch_size, args.seq_length, vocab, rt.device,
                                 args.seed)
         tokens = args.micro_batch_size * args.seq_length
-        builders = [functools.partial(_our_model, a, a_args, vocab, 1, batch, rt.device, tag)
-                    for tag, a_args in [(None, args)] + own.variants
-                    for a in a_args.arm_specs]
+        ours = [functools.partial(_our_model, a, a_args, vocab, 1, batch, rt.device, tag)
+                for tag, a_args in [(None, args)] + own.variants for a in a_args.arm_specs]
+        builders = list(ours)
         if not own.no_plain:
             builders.append(functools.partial(_plain_model, args, vocab, batch,
                                               compile=not own.no_compile))
@@ -320,16 +344,8 @@ def run(own, args) -> int:
             if torch.cuda.is_available():
                 m.resident = torch.cuda.memory_allocated() - before
             models.append(m)
-        copies: Dict[str, List[Dict[str, object]]] = {}
-        saved: Dict[str, List[Dict[str, object]]] = {}
         for m in models:
-            for i in range(1 + args.warmup_steps + 3):
-                if i == 1 and (own.copies_csv or own.saved_csv) and m.name.startswith("ours"):
-                    # the second step: eager (a CUDA graph is captured after 3), warm
-                    with CopySources() as cs, SavedTensors(before=m.tensors()) as st:
-                        m.run(timed=False)
-                    copies[m.name], saved[m.name] = cs.table(), st.table()
-                    continue
+            for _ in range(1 + args.warmup_steps + 3):
                 m.run(timed=False)
             if not m.losses[-1] < m.losses[0]:
                 raise SystemExit(f"bench_step.py: {m.name} does not train (loss {m.losses[0]:.4f}"
@@ -378,6 +394,15 @@ def run(own, args) -> int:
                                   ms=round(us / 1e3, 3), share=round(us / step_us, 4)))
         if own.kernels_csv:
             bench_common.append_rows(own.kernels_csv, list(krows[0]), krows)
+        if not (own.copies_csv or own.saved_csv):
+            return 0
+        # The sources of copies and saved tensors come last, from fresh builds: under a
+        # Python dispatch mode torch.compile cannot run, and a compiled function it skipped
+        # may stay eager in that process (torch 2.11 kept the rotary kernel eager for the
+        # rest of the run), so nothing timed may follow it.
+        del models, m
+        _release()
+        copies, saved = _step_sources(ours)
         if own.copies_csv:
             _report_sources(copies, own.copies_csv, base, "op", lambda name, table: (
                 f"copies of {name}, one eager step (MB moved: read + write of the output; "

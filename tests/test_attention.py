@@ -86,3 +86,42 @@ def test_rotary_tables_are_taken_once_per_rotary_tensor():
     again = attention._cached_tables(freqs, t.dtype)
     assert not torch.equal(again[0], first[0])
     torch.testing.assert_close(again[0], torch.cos(freqs).to(t.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the rotary kernel is compiled on CUDA only (GPU box)")
+def test_rotary_runs_eager_under_a_dispatch_mode_and_compiled_after_it():
+    # A tensor tracer (bench_step's --copies-csv) runs the step under a Python dispatch mode;
+    # torch.compile cannot run there, and a frame it skipped stayed eager for the rest of a
+    # torch 2.11 process (9.8 ms of rotate-half copies per 1b step). The rotary must run
+    # eager inside the mode and compiled again after it.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_lrattn.model import attention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t = torch.randn(256, 2, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g,
+                    requires_grad=True)
+    freqs = torch.randn(256, 1, 1, 64, device="cuda", generator=g)
+    ref = attention.rotary_to_heads(t, *attention.rotary_tables(freqs, t.dtype))
+    torch.testing.assert_close(attention._rotary(t, freqs), ref)  # compiles
+    with Ops() as ops:
+        inside = attention._rotary(t, freqs)
+    assert "cat" in ops.seen  # the eager formula ran inside the mode
+    torch.testing.assert_close(inside, ref)
+    with torch.profiler.profile() as prof:
+        after = attention._rotary(t, freqs)
+        after.sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "aten::cat" not in names, "the rotary ran eager after the dispatch mode"
+    torch.testing.assert_close(after, ref)

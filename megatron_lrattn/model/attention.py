@@ -34,6 +34,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def rotary_tables(freqs: Tensor, dtype: torch.dtype) -> "tuple[Tensor, Tensor]":
@@ -82,7 +83,9 @@ def _rotary(t: Tensor, freqs: Tensor) -> Tensor:
     if freqs.requires_grad:  # never in megatron's models; keep the gradient path exact
         return rotary_to_heads(t, *rotary_tables(freqs, t.dtype))
     cos, sin = _cached_tables(freqs, t.dtype)
-    if not t.is_cuda:
+    # eager on CPU, and under a Python dispatch mode (a FLOP counter, a tensor tracer):
+    # torch.compile cannot run there, and a frame it had to skip may stay eager afterwards
+    if not t.is_cuda or is_in_torch_dispatch_mode(include_infra_modes=False):
         return rotary_to_heads(t, cos, sin)
     if _compiled_rotary is None:
         _compiled_rotary = torch.compile(rotary_to_heads, fullgraph=True, dynamic=False)
