@@ -421,10 +421,10 @@ def test_kernel_benchmarks_refuse_bad_flags_before_measuring(script, argv, needl
 def test_bench_step_variants_parse_to_their_own_arguments():
     bench_step = _bench_step_module()
     own, args = bench_step.parse(_STEP_BASE + [
-        "--variant", "ce=--cross-entropy-fusion-impl triton",
-        "--variant", "n4=--num-blocks 4 --cross-entropy-fusion-impl triton"])
-    assert args.cross_entropy_fusion_impl == "native"
+        "--variant", "ce=--cross-entropy-fusion-impl native",
+        "--variant", "n4=--num-blocks 4 --cross-entropy-fusion-impl native"])
+    assert args.cross_entropy_fusion_impl == "triton"
     assert [(n, a.cross_entropy_fusion_impl, a.num_blocks) for n, a in own.variants] == [
-        ("ce", "triton", args.num_blocks), ("n4", "triton", 4)]
+        ("ce", "native", args.num_blocks), ("n4", "native", 4)]
     with pytest.raises(Exception, match="given twice"):
         bench_step.parse(_STEP_BASE + ["--variant", "a=--seed 2", "--variant", "a=--seed 3"])

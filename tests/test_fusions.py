@@ -26,14 +26,16 @@ def test_no_fusion_without_cuda():
 def test_fusions_on_cuda_by_default_and_each_flag_turns_one_off():
     on = fusion_config(_args(), cuda=True)
     assert on == {"bias_activation_fusion": True, "bias_dropout_fusion": True,
-                  "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"}
+                  "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native",
+                  "triton_cross_entropy": True}
     assert fusion_config(_args("--no-bias-swiglu-fusion"), cuda=True)["bias_activation_fusion"] is False
     assert fusion_config(_args("--no-bias-dropout-fusion"), cuda=True)["bias_dropout_fusion"] is False
     assert "cross_entropy_loss_fusion" not in fusion_config(
         _args("--no-cross-entropy-loss-fusion"), cuda=True)
     triton = fusion_config(_args("--cross-entropy-fusion-impl", "triton"), cuda=True)
-    assert triton["triton_cross_entropy"] is True and triton["cross_entropy_loss_fusion"]
-    assert "triton_cross_entropy" not in on
+    assert triton == on
+    native = fusion_config(_args("--cross-entropy-fusion-impl", "native"), cuda=True)
+    assert "triton_cross_entropy" not in native and native["cross_entropy_loss_fusion"]
     # GeLU without biases has nothing to fuse (megatron-core refuses that combination)
     assert fusion_config(_args(swiglu=False), cuda=True)["bias_activation_fusion"] is False
     assert fusion_config(_args(swiglu=False, bias=True), cuda=True)["bias_activation_fusion"]
@@ -107,8 +109,12 @@ def test_triton_cross_entropy_needs_the_fusion_on():
     from megatron_lrattn.training.arguments import parse_args
     from megatron_lrattn.training.arg_types import ArgumentError
 
-    with pytest.raises(ArgumentError, match="contradicts --no-cross-entropy-loss-fusion"):
-        parse_args(["--preset", "tiny", "--cross-entropy-fusion-impl", "triton",
-                    "--no-cross-entropy-loss-fusion"])
-    assert parse_args(["--preset", "tiny", "--cross-entropy-fusion-impl", "triton"]
-                      ).cross_entropy_fusion_impl == "triton"
+    for impl in ("triton", "native"):
+        with pytest.raises(ArgumentError, match="contradicts --no-cross-entropy-loss-fusion"):
+            parse_args(["--preset", "tiny", "--cross-entropy-fusion-impl", impl,
+                        "--no-cross-entropy-loss-fusion"])
+        assert parse_args(["--preset", "tiny", "--cross-entropy-fusion-impl", impl]
+                          ).cross_entropy_fusion_impl == impl
+    assert parse_args(["--preset", "tiny"]).cross_entropy_fusion_impl == "triton"
+    off = parse_args(["--preset", "tiny", "--no-cross-entropy-loss-fusion"])
+    assert not off.cross_entropy_loss_fusion and off.cross_entropy_fusion_impl is None

@@ -76,7 +76,8 @@ class LRAttnResConfig(TransformerConfig):
     triton_cross_entropy: bool = False
     """With ``cross_entropy_loss_fusion``: the loss is ``megatron_lrattn.ops.cross_entropy``
     (Triton) instead of megatron-core's ``native`` fusion; same loss, and the backward keeps
-    the logits instead of their fp32 softmax (``--cross-entropy-fusion-impl triton``)."""
+    the logits instead of their fp32 softmax (``--cross-entropy-fusion-impl triton``, the
+    command lines' default on CUDA)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -231,11 +231,13 @@ def validate_args(args: argparse.Namespace) -> None:
     from megatron_lrattn.training.downstream import check_downstream_args
 
     check_downstream_args(args)
-    if (getattr(args, "cross_entropy_fusion_impl", "native") != "native"
-            and not getattr(args, "cross_entropy_loss_fusion", True)):
-        raise ArgumentError(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl} "
-                            "picks the fused cross entropy; it contradicts "
-                            "--no-cross-entropy-loss-fusion")
+    impl = getattr(args, "cross_entropy_fusion_impl", None)
+    if impl is not None and not getattr(args, "cross_entropy_loss_fusion", True):
+        raise ArgumentError(f"--cross-entropy-fusion-impl {impl} picks the fused cross "
+                            "entropy; it contradicts --no-cross-entropy-loss-fusion")
+    if hasattr(args, "cross_entropy_fusion_impl") and getattr(args, "cross_entropy_loss_fusion",
+                                                              True):
+        args.cross_entropy_fusion_impl = impl or "triton"
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.max_position_embeddings is None:
