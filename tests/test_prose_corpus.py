@@ -253,6 +253,28 @@ def test_study_report_reads_a_learning_rate_sweep(tmp_path):
     assert "| standard residual | 3.1000 | **3.0000** | 3.2000 | 2e-3 |" in table
 
 
+def test_study_report_writes_every_step_as_csv(tmp_path):
+    import csv
+
+    rows = [{"type": "run", "git_sha": "abc"}, {"type": "valid", "iteration": 0, "loss": 8.4},
+            {"type": "train", "iteration": 1, "loss": 8.45, "grad_norm": 7.0, "lr": 2e-5,
+             "step_time_s": 4.6, "consumed_samples": 8},
+            {"type": "train", "iteration": 2, "loss": 8.1, "grad_norm": 6.0, "lr": 2.5e-4,
+             "step_time_s": 0.2, "consumed_samples": 16},
+            {"type": "valid", "iteration": 2, "loss": 8.0}]
+    for name in ("lr_sliced_seed2", "standard_seed1"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    with open(tmp_path / "out" / "study_steps.csv") as f:
+        got = list(csv.DictReader(f))
+    assert [(r["arm"], r["seed"], r["type"], r["iteration"]) for r in got] == [
+        (arm, seed, t, i) for arm, seed in (("standard", "1"), ("lr_sliced", "2"))
+        for t, i in (("valid", "0"), ("train", "1"), ("train", "2"), ("valid", "2"))]
+    assert {r["lr"] for r in got} == {"2.5e-4"}
+    assert got[1]["loss"] == "8.45000" and got[1]["grad_norm"] == "7.0000"
+    assert got[0]["grad_norm"] == "" and got[2]["step_time_s"] == "0.2000"
+
+
 # each case is one run.sh call (2 s: its provenance header imports torch); one in the fast tier
 _SLOW = pytest.mark.slow
 

@@ -7,7 +7,9 @@ Reads ``<dir>/<arm>_seed<k>.jsonl`` or ``<dir>/<arm>_lr<LR>_seed<k>.jsonl``
 (``lrattn-pretrain --log-json`` files, as written by ``tools/gpu_box/run.sh study``) and,
 where present, ``<dir>/<run>_eval.json`` (``lrattn-eval --output`` of the run's final
 checkpoint), and writes ``study.json``, ``study_table.md``, ``study_sweep.md`` (runs with an
-LR in their name) and ``study_curves.png`` to ``--out``.
+LR in their name), ``study_curves.png`` and ``study_steps.csv`` (every run's training loss,
+gradient norm and step time per step and its validation losses: arm, peak LR, seed) to
+``--out``.
 
     python tools/study_report.py benchmarks/results/study_2026-11-30 --out docs
 """
@@ -195,6 +197,41 @@ PAIRS = (("attnres", "standard"), ("lr_sliced", "standard"), ("lr_projected", "s
          ("lr_sliced", "attnres"), ("lr_projected", "attnres"))
 
 
+def _lr_text(lr: float) -> str:
+    """0.001 -> '1e-3', 0.00025 -> '2.5e-4' (the notation of ``LRS`` and run names)."""
+    mant, exp = f"{lr:e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+def write_steps_csv(runs: Dict[str, Dict[int, List[dict]]], path: Path) -> int:
+    """Every run's per-step records as CSV rows ``arm, lr, seed, type, iteration, loss,
+    grad_norm, step_time_s`` (``lr``: the run's peak learning rate, that is its ``--lr``);
+    returns the number of rows."""
+    import csv
+
+    n = 0
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "lr", "seed", "type", "iteration", "loss", "grad_norm",
+                    "step_time_s"])
+        for arm in sorted(runs, key=_order):
+            base = split_lr(arm)[0]
+            for seed in sorted(runs[arm]):
+                rows = runs[arm][seed]
+                lrs = [r["lr"] for r in rows if r.get("type") == "train" and "lr" in r]
+                lr = _lr_text(max(lrs)) if lrs else ""
+                for r in rows:
+                    if r.get("type") not in ("train", "valid") or "loss" not in r:
+                        continue
+                    w.writerow([base, lr, seed, r["type"], r.get("iteration", ""),
+                                f"{r['loss']:.5f}",
+                                f"{r['grad_norm']:.4f}" if r.get("grad_norm") is not None else "",
+                                f"{r['step_time_s']:.4f}" if r.get("step_time_s") is not None
+                                else ""])
+                    n += 1
+    return n
+
+
 def welch_t(a: List[float], b: List[float]) -> Optional[float]:
     """Welch's t of mean(a) - mean(b) (unequal variances); None with fewer than two values
     on a side or zero spread on both."""
@@ -371,6 +408,7 @@ def main(argv=None) -> int:
         print(sweep)
     print("ranking by mean final validation loss (best first):",
           " < ".join(summary["arms"][a]["label"] for a in summary["ranking_by_mean"]))
+    write_steps_csv(runs, out / "study_steps.csv")
     if plot(runs, summary, out / "study_curves.png"):
         print(f"plot: {out / 'study_curves.png'}")
     return 0
