@@ -366,3 +366,19 @@ def test_study_report_welch_t_matches_the_formula_and_lists_the_papers_pairs(tmp
     assert [(r["a"], r["b"]) for r in rows] == [("lr_sliced", "standard")]
     assert rows[0]["diff"] == pytest.approx(-1.1) and rows[0]["n_a"] == 3
     assert "Welch t" in report.comparison_table({"arms": arms, "comparisons": rows})
+
+
+def test_fetch_of_a_version_newer_than_the_package_lists_says_to_update_them(tmp_path,
+                                                                               monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    apt = bin_dir / "apt-get"
+    apt.write_text("#!/bin/sh\necho \"E: Version '$2' was not found\" >&2\nexit 100\n")
+    apt.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    source = SOURCES[0]
+    with pytest.raises(BuildError) as err:
+        fetch(source, tmp_path / "debs", download=True)
+    message = str(err.value)
+    assert "\n" not in message and "run apt-get update first" in message
+    assert f"{source.package}={source.version}" in message

@@ -56,8 +56,11 @@ def fetch(source: Source, debs: Path, download: bool) -> Path:
         found = matches()
         if res.returncode != 0 or not found:
             why = (res.stderr.strip().splitlines() or ["no file written"])[-1]
+            # the pinned version is newer than the package lists when they were last read
+            hint = "run apt-get update first, " if "was not found" in why else ""
             raise BuildError(f"apt-get download {source.package}={source.version} failed "
-                             f"({why}); put the .deb in {debs} (--debs) or pass --no-download")
+                             f"({why}); {hint}put the .deb in {debs} (--debs) or pass "
+                             "--no-download")
     if not found:
         raise BuildError(f"no {source.package} {source.version} .deb in {debs}")
     digest = hashlib.sha256(found[0].read_bytes()).hexdigest()
