@@ -400,7 +400,8 @@ def run(own, args) -> int:
         # Python dispatch mode torch.compile cannot run, and a compiled function it skipped
         # may stay eager in that process (torch 2.11 kept the rotary kernel eager for the
         # rest of the run), so nothing timed may follow it.
-        del models, m
+        models.clear()
+        m = None
         _release()
         copies, saved = _step_sources(ours)
         if own.copies_csv:

@@ -235,8 +235,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if impl is not None and not getattr(args, "cross_entropy_loss_fusion", True):
         raise ArgumentError(f"--cross-entropy-fusion-impl {impl} picks the fused cross "
                             "entropy; it contradicts --no-cross-entropy-loss-fusion")
-    if hasattr(args, "cross_entropy_fusion_impl") and getattr(args, "cross_entropy_loss_fusion",
-                                                              True):
+    fused = getattr(args, "cross_entropy_loss_fusion", True)
+    if hasattr(args, "cross_entropy_fusion_impl") and fused:
         args.cross_entropy_fusion_impl = impl or "triton"
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
