@@ -56,6 +56,55 @@ def test_te_carry_checks_the_piece_and_writes_the_header(tmp_path):
     assert "sha256" in log[3] and "manifest" in log[3]
 
 
+def test_pack_returns_the_log_and_a_whole_archive_with_the_suites_exit_code(tmp_path):
+    """``PACK=1``: the suite runs in a scratch folder; ``$OUT/log`` and ``$OUT/results.tgz``
+    come back, with snapshots while it runs (``PACK_EVERY``) and the suite's exit code."""
+    import tarfile
+
+    work = tmp_path / "tree"
+    (work / ".whl" / "te_chunks").mkdir(parents=True)
+    (work / ".whl" / "te_chunks" / "00").write_bytes(b"piece")
+    (work / ".whl" / "te_chunks" / "SHA256SUMS").write_text(
+        f"{hashlib.sha256(b'other').hexdigest()}  chunks/00\n")
+    env = dict(os.environ, NO_WHEEL="1", OUT=str(tmp_path / "out"), GIT_SHA="test", PACK="1",
+               PACK_EVERY="1")
+    proc = subprocess.run(["bash", str(BOX / "run.sh"), "te", "carry", "00"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the refused piece's exit code
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["log", "results.tgz"]
+    assert "suite te carry 00" in (out / "log").read_text()
+    with tarfile.open(out / "results.tgz") as tar:
+        assert "./log" in tar.getnames()
+    line = [x for x in proc.stdout.splitlines() if x.startswith("pack: te exited 1;")]
+    assert len(line) == 1 and "snapshots while it ran" in line[0], proc.stdout
+
+
+@pytest.mark.parametrize("every", ["0", "x", "1.5", "-2", "05"])
+def test_pack_every_must_be_whole_seconds(tmp_path, every):
+    env = dict(os.environ, NO_WHEEL="1", OUT=str(tmp_path / "out"), GIT_SHA="test", PACK="1",
+               PACK_EVERY=every)
+    proc = subprocess.run(["bash", str(BOX / "run.sh"), "tests"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"PACK_EVERY={every}: a whole number of seconds > 0"], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_pack_snapshots_while_the_suite_runs(tmp_path):
+    """A suite of about 10 s (pytest collecting the whole tree for a name that matches
+    nothing) with ``PACK_EVERY=1``: several archives are written while it runs."""
+    env = dict(os.environ, NO_WHEEL="1", OUT=str(tmp_path / "out"), GIT_SHA="test", PACK="1",
+               PACK_EVERY="1")
+    proc = subprocess.run(["bash", str(BOX / "run.sh"), "tests", "-k", "no_such_test_name"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("pack: tests exited")]
+    assert len(line) == 1, proc.stdout + proc.stderr
+    assert int(line[0].split("(")[-1].split()[0]) >= 3, line[0]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["log", "results.tgz"]
+
+
 def _metrics(path: Path, steps, losses, valid=None):
     rows = [{"type": "run"}]
     rows += [{"type": "train", "iteration": i + 1, "loss": loss, "step_time_s": t,

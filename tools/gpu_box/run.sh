@@ -14,19 +14,38 @@
 # Set-up: the wheels carried in .whl/ installed to /tmp/lrattn_site (NO_WHEEL=1 skips them),
 # the checkout on PYTHONPATH, NVLink multicast off, and a header (GPU, driver, versions, git
 # SHA, date) at the top of $OUT/log. PACK=1 writes into a scratch folder and returns $OUT/log
-# plus $OUT/results.tgz (a call brings back at most 8 files, two folders down).
+# plus $OUT/results.tgz (a call brings back at most 8 files, two folders down), refreshed
+# every PACK_EVERY seconds (30) while the suite runs.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 SUITE=${1:?usage: run.sh SUITE [ARGS...] (tests kernels block profile bench train parallel study te)}
 shift
 if [ -n "${PACK:-}" ]; then
+    case ${PACK_EVERY:-30} in
+    *[!0-9]*|0*) echo "PACK_EVERY=${PACK_EVERY}: a whole number of seconds > 0" >&2; exit 2 ;;
+    esac
     real=${OUT:-/tmp/lrattn_out} scratch=$(mktemp -d /tmp/lrattn_pack.XXXX)
-    OUT=$scratch PACK="" bash "$0" "$SUITE" "$@"
-    rc=$?
     mkdir -p "$real"
-    [ -f "$scratch/log" ] && cp "$scratch/log" "$real/log"
-    tar czf "$real/results.tgz" -C "$scratch" .
-    echo "pack: $SUITE exited $rc; $(du -sh "$real/results.tgz" | cut -f1) packed"
+    # a snapshot every PACK_EVERY seconds while the suite runs, so that a call cut short
+    # (its time limit, the device budget) still brings back what had finished; each one is
+    # written aside and renamed, so results.tgz is always a whole archive
+    pack() {
+        [ -f "$scratch/log" ] && cp "$scratch/log" "$real/log"
+        tar czf "$real/results.tgz.part" -C "$scratch" . 2>/dev/null \
+            && mv "$real/results.tgz.part" "$real/results.tgz"
+    }
+    OUT=$scratch PACK="" bash "$0" "$SUITE" "$@" &
+    child=$! waited=0 snapshots=0
+    while kill -0 "$child" 2>/dev/null; do
+        sleep 1
+        waited=$((waited + 1))
+        if [ $((waited % ${PACK_EVERY:-30})) -eq 0 ]; then pack; snapshots=$((snapshots + 1)); fi
+    done
+    wait "$child"
+    rc=$?
+    pack
+    echo "pack: $SUITE exited $rc; $(du -sh "$real/results.tgz" | cut -f1) packed" \
+         "($snapshots snapshots while it ran)"
     exit $rc
 fi
 
