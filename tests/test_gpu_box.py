@@ -40,14 +40,20 @@ def test_unknown_suite_is_refused_before_the_header(tmp_path):
     assert not (tmp_path / "log").exists()
 
 
-def test_te_carry_checks_the_piece_and_writes_the_header(tmp_path):
-    """A piece that is not in the manifest is refused; the log starts with the provenance
-    header (GPU, versions, git SHA, date, suite)."""
+def _tree_with_a_refused_te_piece(tmp_path) -> Path:
+    """A checkout whose TE piece 00 does not match its manifest (``te carry 00`` exits 1)."""
     work = tmp_path / "tree"
     (work / ".whl" / "te_chunks").mkdir(parents=True)
     (work / ".whl" / "te_chunks" / "00").write_bytes(b"piece")
     digest = hashlib.sha256(b"other").hexdigest()
     (work / ".whl" / "te_chunks" / "SHA256SUMS").write_text(f"{digest}  chunks/00\n")
+    return work
+
+
+def test_te_carry_checks_the_piece_and_writes_the_header(tmp_path):
+    """A piece that is not in the manifest is refused; the log starts with the provenance
+    header (GPU, versions, git SHA, date, suite)."""
+    work = _tree_with_a_refused_te_piece(tmp_path)
     proc = _run("te", "carry", "00", cwd=work, out=tmp_path / "out")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     log = (tmp_path / "out" / "log").read_text().splitlines()
@@ -57,15 +63,12 @@ def test_te_carry_checks_the_piece_and_writes_the_header(tmp_path):
 
 
 def test_pack_returns_the_log_and_a_whole_archive_with_the_suites_exit_code(tmp_path):
-    """``PACK=1``: the suite runs in a scratch folder; ``$OUT/log`` and ``$OUT/results.tgz``
-    come back, with snapshots while it runs (``PACK_EVERY``) and the suite's exit code."""
+    """``PACK=1``: the suite runs in a scratch folder; ``$OUT/log`` and a whole
+    ``$OUT/results.tgz`` come back (no cut ``.part``), and the driver exits with the suite's
+    exit code."""
     import tarfile
 
-    work = tmp_path / "tree"
-    (work / ".whl" / "te_chunks").mkdir(parents=True)
-    (work / ".whl" / "te_chunks" / "00").write_bytes(b"piece")
-    (work / ".whl" / "te_chunks" / "SHA256SUMS").write_text(
-        f"{hashlib.sha256(b'other').hexdigest()}  chunks/00\n")
+    work = _tree_with_a_refused_te_piece(tmp_path)
     env = dict(os.environ, NO_WHEEL="1", OUT=str(tmp_path / "out"), GIT_SHA="test", PACK="1",
                PACK_EVERY="1")
     proc = subprocess.run(["bash", str(BOX / "run.sh"), "te", "carry", "00"], cwd=work,

@@ -37,7 +37,7 @@ LOSS_RTOL = 1e-6
 # relative RMS error of each gradient tensor; depth queries against the RMS of all
 # depth-query gradients (their common scale). fp32 sums taken in another order (TP shards,
 # the CPU's SIMD width: 1.03e-6 for one depth query on an AVX-512 machine, under 1e-6 on
-# AVX2) differ by a few ulps (fp32 eps 1.2e-7); a wrong gradient is off by 1e-3 or more.
+# the machines of earlier CI runs) differ by a few ulps (fp32 eps 1.2e-7); a wrong gradient is off by 1e-3 or more.
 GRAD_RTOL = 4e-6
 
 

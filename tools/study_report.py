@@ -408,7 +408,8 @@ def main(argv=None) -> int:
         print(sweep)
     print("ranking by mean final validation loss (best first):",
           " < ".join(summary["arms"][a]["label"] for a in summary["ranking_by_mean"]))
-    write_steps_csv(runs, out / "study_steps.csv")
+    rows = write_steps_csv(runs, out / "study_steps.csv")
+    print(f"steps: {out / 'study_steps.csv'} ({rows} rows)")
     if plot(runs, summary, out / "study_curves.png"):
         print(f"plot: {out / 'study_curves.png'}")
     return 0
