@@ -31,6 +31,7 @@ OUR_FIELDS = {
     "depth_backend": "auto",
     "depth_schedule": "auto",
     "fuse_depth_norm": True,
+    "recompute_mlp_activation": True,
     "triton_cross_entropy": False,
 }
 

@@ -73,6 +73,12 @@ class LRAttnResConfig(TransformerConfig):
     normalised read (``megatron_lrattn.ops.depth_merge(norm_weight=...)``). Norms fused
     into the following linear (TE spec), LayerNorm and per-site reads are unaffected."""
 
+    recompute_mlp_activation: bool = True
+    """The local spec's gated-SiLU MLP recomputes its SwiGLU output in the output
+    projection's backward instead of keeping it (``megatron_lrattn.model.mlp``; bit-identical
+    gradients, one ``[s, b, f]`` tensor less per layer kept for the backward;
+    ``--no-recompute-mlp-activation``). Other MLPs and the TE spec are unaffected."""
+
     triton_cross_entropy: bool = False
     """With ``cross_entropy_loss_fusion``: the loss is ``megatron_lrattn.ops.cross_entropy``
     (Triton) instead of megatron-core's ``native`` fusion; same loss, and the backward keeps
@@ -93,6 +99,8 @@ class LRAttnResConfig(TransformerConfig):
                        "runs the reference ops)")
         if not isinstance(self.fuse_depth_norm, bool):
             raise _bad("fuse_depth_norm", self.fuse_depth_norm, "True or False")
+        if not isinstance(self.recompute_mlp_activation, bool):
+            raise _bad("recompute_mlp_activation", self.recompute_mlp_activation, "True or False")
         d = self.hidden_size
         if self.residual == "standard":
             if self.key_rank is not None:

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_lrattn.model.attention import RotarySDPASelfAttention, SDPACoreAttention
 from megatron_lrattn.model.layer import LRAttnResLayer
+from megatron_lrattn.model.mlp import RecomputedActivationMLP
 from megatron_lrattn.model.norms import SequenceParallelTorchNorm
 
 CORE_ATTENTION = ("auto", "local", "sdpa")
@@ -45,6 +46,8 @@ class SpecModules:
         prenorm: the sub-layer PreNorm, or None where the backend fuses it into the next
             linear.
         core_attention: replacement core attention, or None to keep the base spec's.
+        mlp: replacement MLP class (a subclass of megatron-core's ``MLP``), or None to keep
+            the base spec's.
     """
 
     base: ModuleSpec
@@ -52,6 +55,7 @@ class SpecModules:
     key_linear: type
     prenorm: Optional[type]
     core_attention: Optional[type]
+    mlp: Optional[type] = None
 
 
 def _local_modules(config, normalization: str, qk_layernorm: bool,
@@ -75,7 +79,8 @@ def _local_modules(config, normalization: str, qk_layernorm: bool,
         base=get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm),
         layer=LRAttnResLayer, key_linear=KeyEmittingRowParallelLinear,
         prenorm=SequenceParallelTorchNorm,
-        core_attention=SDPACoreAttention if core_attention == "sdpa" else None)
+        core_attention=SDPACoreAttention if core_attention == "sdpa" else None,
+        mlp=RecomputedActivationMLP)
 
 
 def _te_modules(config, normalization: str, qk_layernorm: bool,
@@ -121,6 +126,22 @@ def _replace_submodules(entry, **changes):
         keywords["submodules"] = dataclasses.replace(keywords["submodules"], **changes)
         return functools.partial(entry.func, *entry.args, **keywords)
     raise TypeError(f"cannot replace submodules of spec entry {entry!r}")
+
+
+def _replace_module(entry, module: type):
+    """Copy of a spec entry that builds ``module`` (a subclass of the entry's class) instead.
+    megatron-core <= 0.17: a ``ModuleSpec``; newer: ``functools.partial`` of the class's
+    builder classmethod (``MLP.as_mlp_submodule``)."""
+    if isinstance(entry, ModuleSpec):
+        if not issubclass(module, entry.module):
+            raise TypeError(f"{module.__name__} does not subclass {entry.module.__name__}")
+        return dataclasses.replace(entry, module=module)
+    if isinstance(entry, functools.partial):
+        owner = getattr(entry.func, "__self__", None)
+        if isinstance(owner, type) and issubclass(module, owner):
+            return functools.partial(getattr(module, entry.func.__name__), *entry.args,
+                                     **entry.keywords)
+    raise TypeError(f"cannot replace the module of spec entry {entry!r} by {module.__name__}")
 
 
 def get_lr_attnres_layer_spec(
@@ -180,6 +201,8 @@ def get_lr_attnres_layer_spec(
         layer_changes["self_attention"] = dataclasses.replace(attn, module=RotarySDPASelfAttention)
     if mlp_changes:
         layer_changes["mlp"] = _replace_submodules(sub.mlp, **mlp_changes)
+    if modules.mlp is not None:
+        layer_changes["mlp"] = _replace_module(layer_changes.get("mlp", sub.mlp), modules.mlp)
     module = modules.layer if config.uses_depth_attention else modules.base.module
     return ModuleSpec(module=module, submodules=dataclasses.replace(sub, **layer_changes))
 

@@ -187,6 +187,12 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                         "pipeline stage (block) (default: none)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="shorthand for --recompute-granularity selective (default: off)")
+    g.add_argument("--recompute-mlp-activation", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="the SwiGLU MLP keeps only its first linear's output for the backward "
+                        "and recomputes the SwiGLU output where the output projection's "
+                        "weight gradient needs it (bit-identical gradients; 3.0 GB less at "
+                        "1b, 8 x 2048 tokens; local spec; default: on)")
 
     add_fusion_args(p)
 

@@ -93,6 +93,7 @@ def build_config(args: argparse.Namespace, bf16: bool) -> LRAttnResConfig:
         depth_backend=args.depth_backend,
         depth_schedule=getattr(args, "depth_schedule", "auto"),
         fuse_depth_norm=getattr(args, "fuse_depth_norm", True),
+        recompute_mlp_activation=getattr(args, "recompute_mlp_activation", True),
         **fusion_config(args, torch.cuda.is_available()),
     )
 
