@@ -289,6 +289,10 @@ _SLOW = pytest.mark.slow
     ({"ARMS": "standard", "ARM_LRS": "standard"}, "ARM_LRS entry 'standard' is not arm=LR"),
     pytest.param({"ARMS": "standard", "ARM_LRS": "standard=fast"},
                  "ARM_LRS entry 'standard=fast' is not arm=LR", marks=_SLOW),
+    pytest.param({"ARMS": "standard", "LRS": "1e-3 standard=fast"},
+                 "LRS entry 'standard=fast' is not LR or arm=LR", marks=_SLOW),
+    ({"ARMS": "standard lr_sliced", "LRS": "1e-3 attnres=2e-3"},
+     "LRS entry 'attnres=2e-3' names arm attnres, which is not in ARMS"),
 ])
 def test_study_refuses_bad_per_arm_learning_rates(tmp_path, env, message):
     proc = _run_sh(tmp_path, CORPUS="prose", PROSE_DIR=str(tmp_path / "none"), **env)

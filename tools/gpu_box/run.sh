@@ -262,6 +262,13 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
     for arm in $arms; do
         [ -n "${flags[$arm]:-}" ] || { log "study: unknown arm $arm (standard attnres lr_sliced lr_projected)"; return 2; }
     done
+    for entry in ${LRS:-}; do  # a sweep entry is LR (every arm) or arm=LR (that arm only)
+        arm=${entry%%=*} lr=${entry#*=}
+        [[ $lr =~ $number ]] \
+            || { log "study: LRS entry '$entry' is not LR or arm=LR (e.g. 1e-3, standard=4e-3)"; return 2; }
+        [ "$arm" = "$entry" ] || [[ " $arms " == *" $arm "* ]] \
+            || { log "study: LRS entry '$entry' names arm $arm, which is not in ARMS ($arms)"; return 2; }
+    done
     if [ -n "${ARM_LRS:-}" ]; then  # the seeds phase: each arm at its own LR
         [ -z "${LRS:-}" ] || { log "study: set LRS (a sweep) or ARM_LRS (an LR per arm), not both"; return 2; }
         for entry in $ARM_LRS; do
@@ -292,16 +299,21 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
         for lr in $lrs; do
             for arm in $arms; do
                 # LRS="1e-3 2e-3 ...": a sweep, each run at --lr LR --min-lr LR/10, named
-                # <arm>_lr<LR>_seed<k>; no checkpoints. Otherwise (the seeds phase) each arm at
-                # its ARM_LRS entry (same --min-lr rule) or the preset's LR, named
-                # <arm>_seed<k>, every run's final checkpoint saved.
+                # <arm>_lr<LR>_seed<k>; no checkpoints; an entry arm=LR runs only that arm.
+                # Otherwise (the seeds phase) each arm at its ARM_LRS entry (same --min-lr
+                # rule) or the preset's LR, named <arm>_seed<k>, every run's final
+                # checkpoint saved.
                 local save=() lrflags=() run_lr=$lr
+                if [ "${lr#*=}" != "$lr" ]; then
+                    [ "${lr%%=*}" = "$arm" ] || continue
+                    run_lr=${lr#*=}
+                fi
                 [ "$lr" = per-arm ] && run_lr=${arm_lr[$arm]}
                 if [ "$run_lr" != preset ]; then
                     lrflags=(--lr "$run_lr" --min-lr "$(python3 -c "print(float('$run_lr') / 10)")")
                 fi
                 if [ -n "${LRS:-}" ]; then
-                    name=${arm}_lr${lr}_seed$seed
+                    name=${arm}_lr${run_lr}_seed$seed
                 else
                     name=${arm}_seed$seed
                     save=(--save "$STUDY_TMP/ckpt_$name") saved+=("$name")
