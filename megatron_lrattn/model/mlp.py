@@ -48,6 +48,13 @@ class _Recompute:
         return self.y
 
 
+def _caller_has_saved_tensor_hooks() -> bool:
+    # torch keeps the active default hooks in a private stack; without that function
+    # (another torch version) assume there are some and keep megatron-core's forward.
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
 def _identity(t: torch.Tensor) -> tuple:
     # Where a tensor's elements are. The hooks keep this, not the tensor: autograd keeps the
     # pack hook of every tensor saved under it until the backward, so a hook closing over
@@ -68,7 +75,7 @@ class RecomputedActivationMLP(MLP):
     def _recomputes(self, per_token_scale) -> bool:
         c = self.config
         return (getattr(c, "recompute_mlp_activation", False) and torch.is_grad_enabled()
-                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+                and not _caller_has_saved_tensor_hooks()
                 and per_token_scale is None and c.gated_linear_unit
                 and c.activation_func is F.silu and not c.add_bias_linear
                 and not getattr(c, "use_te_activation_func", False)
