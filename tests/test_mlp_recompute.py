@@ -91,8 +91,12 @@ def test_no_grad_forward_equals_training_forward(mp):
 def test_flag_reaches_the_config():
     from megatron_lrattn.training.arguments import parse_args
 
-    assert parse_args([]).recompute_mlp_activation is True
-    assert parse_args(["--no-recompute-mlp-activation"]).recompute_mlp_activation is False
+    from megatron_lrattn.training.builder import build_config
+
+    for flags, value in (([], True), (["--no-recompute-mlp-activation"], False)):
+        args = parse_args(["--preset", "tiny"] + flags)
+        assert args.recompute_mlp_activation is value
+        assert build_config(args, bf16=False).recompute_mlp_activation is value
 
 
 @pytest.mark.gpu

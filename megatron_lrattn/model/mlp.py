@@ -86,10 +86,7 @@ class RecomputedActivationMLP(MLP):
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if not self._recomputes(per_token_scale):
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
-        x, bias = self.linear_fc1(hidden_states)
-        if bias is not None:  # linear_fc1 returns its bias only with add_bias_linear
-            raise RuntimeError("RecomputedActivationMLP: linear_fc1 returned a bias "
-                               "without add_bias_linear")
+        x, _ = self.linear_fc1(hidden_states)  # no bias: _recomputes checked add_bias_linear
         if self.config.bias_activation_fusion:
             from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, swiglu
 

@@ -191,8 +191,9 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    default=True,
                    help="the SwiGLU MLP keeps only its first linear's output for the backward "
                         "and recomputes the SwiGLU output where the output projection's "
-                        "weight gradient needs it (bit-identical gradients; 3.0 GB less at "
-                        "1b, 8 x 2048 tokens; local spec; default: on)")
+                        "weight gradient needs it (bit-identical gradients; peak 2.66 GiB "
+                        "lower at 1b, 8 x 2048 tokens, H200, docs/performance.md; local spec; "
+                        "default: on)")
 
     add_fusion_args(p)
 
