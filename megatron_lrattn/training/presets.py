@@ -71,6 +71,27 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         num_blocks=8,
         rotary_base=10000,
     ),
+    # The quality study's larger model: 103.8M non-embedding parameters, 8 depth blocks
+    # of two layers each; the same tokens per step as study-25m in two micro-batches.
+    "study-100m": dict(
+        _COMMON,
+        num_layers=16,
+        hidden_size=768,
+        num_attention_heads=12,
+        ffn_hidden_size=1792,
+        seq_length=1024,
+        micro_batch_size=16,
+        global_batch_size=32,
+        train_iters=500,
+        lr=2e-3,
+        min_lr=2e-4,
+        lr_warmup_iters=50,
+        eval_interval=50,
+        eval_iters=10,
+        log_interval=50,
+        num_blocks=8,
+        rotary_base=10000,
+    ),
     # The LR-AttnRes paper's 0.5B model.
     "0.5b": dict(
         _COMMON,

@@ -252,11 +252,15 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
     local seeds=${SEEDS:-"1 2 3"} iters=${ITERS:-500} preset=${PRESET:-study-25m}
     local arms=${ARMS:-standard attnres lr_sliced lr_projected} lrs=${LRS:-preset}
     local slots=$((NGPU > 0 ? NGPU : 1)) tok prefix seed arm lr name entry i=0 fail=0 p
-    local pids=() runs=() saved=() number='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$'
+    local pids=() runs=() saved=() number='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$' hidden
+    # sliced keys at r = d/4 of the preset (128 at study-25m, 192 at study-100m)
+    hidden=$(python3 -c "import sys; from megatron_lrattn.training.presets import PRESETS
+print(PRESETS[sys.argv[1]]['hidden_size'])" "$preset") \
+        || { log "study: unknown PRESET $preset"; return 2; }
     declare -A flags=(
         [standard]="--residual standard"
         [attnres]="--residual attnres --num-blocks 8"
-        [lr_sliced]="--residual lr_attnres --key sliced --rank 128 --num-blocks 8"
+        [lr_sliced]="--residual lr_attnres --key sliced --rank $((hidden / 4)) --num-blocks 8"
         [lr_projected]="--residual lr_attnres --key projected --rank 32 --num-blocks 8")
     declare -A arm_lr=()
     for arm in $arms; do
