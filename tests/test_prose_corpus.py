@@ -293,6 +293,7 @@ _SLOW = pytest.mark.slow
                  "LRS entry 'standard=fast' is not LR or arm=LR", marks=_SLOW),
     ({"ARMS": "standard lr_sliced", "LRS": "1e-3 attnres=2e-3"},
      "LRS entry 'attnres=2e-3' names arm attnres, which is not in ARMS"),
+    pytest.param({"PRESET": "study-1t"}, "unknown PRESET study-1t (one of ['0.5b',", marks=_SLOW),
 ])
 def test_study_refuses_bad_per_arm_learning_rates(tmp_path, env, message):
     proc = _run_sh(tmp_path, CORPUS="prose", PROSE_DIR=str(tmp_path / "none"), **env)

@@ -255,8 +255,8 @@ suite_study() {  # ARMS x (LRS or ARM_LRS) x SEEDS of PRESET on every visible GP
     local pids=() runs=() saved=() number='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$' hidden
     # sliced keys at r = d/4 of the preset (128 at study-25m, 192 at study-100m)
     hidden=$(python3 -c "import sys; from megatron_lrattn.training.presets import PRESETS
-print(PRESETS[sys.argv[1]]['hidden_size'])" "$preset") \
-        || { log "study: unknown PRESET $preset"; return 2; }
+p = PRESETS.get(sys.argv[1]); print(p['hidden_size']) if p else sys.exit(sorted(PRESETS))" \
+        "$preset" 2>&1) || { log "study: unknown PRESET $preset (one of $hidden)"; return 2; }
     declare -A flags=(
         [standard]="--residual standard"
         [attnres]="--residual attnres --num-blocks 8"
