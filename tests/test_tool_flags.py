@@ -88,6 +88,76 @@ def test_study_report_leaves_out_a_cut_last_line(tmp_path):
     assert summary["arms"]["standard"]["mean"] == pytest.approx(2.5)
 
 
+# --- tools/study_pool.py -------------------------------------------------------------------
+
+def _steps_csv(path, rows):
+    """rows: (arm, lr, seed, iteration, validation loss)"""
+    lines = ["arm,lr,seed,type,iteration,loss,grad_norm,step_time_s"]
+    lines += [f"{a},{lr},{s},valid,{i},{v},," for a, lr, s, i, v in rows]
+    lines.append("standard,2e-3,1,train,3,9.9,1.0,0.1")  # training rows are not pooled
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_study_pool_pools_runs_across_files_with_welch_and_paired_t(tmp_path):
+    a = _steps_csv(tmp_path / "a.csv", [
+        ("standard", "2e-3", 1, 0, 9.0), ("standard", "2e-3", 1, 4, 3.0),
+        ("standard", "2e-3", 2, 4, 3.2), ("standard", "1e-3", 1, 4, 1.0),  # other LR: out
+        ("lr_sliced", "2e-3", 1, 4, 2.8), ("lr_sliced", "2e-3", 2, 4, 2.9),
+        ("lr_sliced", "2e-3", 3, 2, 2.0)])  # did not reach iteration 4: out
+    b = _steps_csv(tmp_path / "b.csv", [("standard", "0.002", 3, 4, 3.1),
+                                        ("lr_sliced", "2e-3", 3, 4, 3.0)])
+    proc = _run("tools/study_pool.py", a, b, "--pick", "lr_sliced=2e-3", "standard=2e-3",
+                "--iteration", "4", "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "out" / "pooled.json").read_text())
+    assert list(got["arms"]) == ["standard", "lr_sliced"]
+    assert got["arms"]["standard"]["n"] == 3
+    assert got["arms"]["standard"]["mean"] == pytest.approx(3.1)
+    assert got["arms"]["lr_sliced"]["mean"] == pytest.approx(2.9)
+    (c,) = got["comparisons"]
+    assert (c["a"], c["b"], c["pairs"]) == ("lr_sliced", "standard", 3)
+    assert c["diff"] == pytest.approx(-0.2)
+    # per seed: -0.2, -0.3, -0.1 -> mean -0.2, sd 0.1, t = -0.2 / (0.1 / sqrt 3)
+    assert c["paired_t"] == pytest.approx(-0.2 / (0.1 / 3 ** 0.5))
+    assert c["welch_t"] == pytest.approx(-0.2 / (0.01 / 3 + 0.01 / 3) ** 0.5)
+    assert "| LR-AttnRes sliced (r=d/4, N=8) - standard residual | -0.2000 |" in proc.stdout
+
+
+def test_study_pool_does_not_pair_a_repeated_seed(tmp_path):
+    rows = [("standard", "2e-3", 1, 4, 3.0), ("attnres", "1e-3", 1, 4, 2.9),
+            ("attnres", "1e-3", 2, 4, 2.8)]
+    a, b = _steps_csv(tmp_path / "a.csv", rows), _steps_csv(tmp_path / "b.csv", rows[1:])
+    assert _run("tools/study_pool.py", a, b, "--pick", "standard=2e-3", "attnres=1e-3",
+                "--iteration", "4", "--out", tmp_path).returncode == 0
+    (c,) = json.loads((tmp_path / "pooled.json").read_text())["comparisons"]
+    assert c["n_a"] == 4 and c["pairs"] == 0 and c["paired_t"] is None
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--pick", "bogus=1e-3"], "is not arm=LR"),
+    (["--pick", "standard"], "is not arm=LR"),
+    (["--pick", "standard=fast"], "the LR must be a number > 0"),
+    (["--pick", "standard=-1"], "the LR must be a number > 0"),
+    (["--pick", "standard=1e-3", "standard=2e-3"], "names an arm twice"),
+    (["--pick", "standard=2e-3", "--iteration", "0"], "--iteration 0"),
+    (["--pick", "standard=2e-3", "--out", "{good}"], "is not a folder"),
+    (["--pick", "standard=5e-3"], "no run of standard at LR 5e-3 reached iteration 916"),
+    (["{tmp}/none.csv", "--pick", "standard=2e-3"], "none.csv"),
+    (["{tmp}/junk.csv", "--pick", "standard=2e-3"], "not a study steps CSV (no column"),
+    (["{tmp}/badnum.csv", "--pick", "standard=2e-3"], "line 2: seed, iteration and loss"),
+])
+def test_study_pool_refuses_bad_flags_and_files(tmp_path, args, needle):
+    good = _steps_csv(tmp_path / "good.csv", [("standard", "2e-3", 1, 916, 3.0)])
+    (tmp_path / "junk.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "badnum.csv").write_text("arm,lr,seed,type,iteration,loss\n"
+                                         "standard,2e-3,one,valid,916,3.0\n")
+    args = [a.format(tmp=tmp_path, good=good) for a in args]
+    if not args[0].endswith(".csv"):
+        args = [good] + args
+    _refused(_run("tools/study_pool.py", *args), needle)
+
+
 # --- benchmarks/bench_data.py, tools/kernel_ptx.py, tools/two_phase_cpu_check.py ------------
 
 @pytest.mark.parametrize("script,args,needle", [
