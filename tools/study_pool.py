@@ -131,7 +131,7 @@ def markdown(summary: dict) -> str:
 
 def plot(curves: Dict[str, Dict[Run, Dict[int, float]]], summary: dict, path: Path) -> bool:
     """Mean validation loss per arm, and each depth arm's mean minus the standard
-    residual's over the iterations every run has; False without matplotlib."""
+    residual's, over the iterations every pooled run has; False without matplotlib."""
     try:
         import matplotlib
 
@@ -141,8 +141,10 @@ def plot(curves: Dict[str, Dict[Run, Dict[int, float]]], summary: dict, path: Pa
         return False
     means = {}
     for arm, runs in curves.items():
-        its = sorted(set.intersection(*(set(c) for c in runs.values())))
-        means[arm] = {i: statistics.fmean(c[i] for c in runs.values()) for i in its}
+        # the runs the table pools: those that reached the final iteration
+        done = [c for c in runs.values() if summary["iteration"] in c]
+        its = sorted(set.intersection(*(set(c) for c in done)))
+        means[arm] = {i: statistics.fmean(c[i] for c in done) for i in its}
     fig, (ax_v, ax_g) = plt.subplots(1, 2, figsize=(12, 4.5))
     for arm, m in means.items():
         info = summary["arms"][arm]
