@@ -28,6 +28,22 @@ _COMMON: Dict[str, Any] = dict(
     pipeline_model_parallel_size=1,
 )
 
+# What the quality study's models share (docs/results.md): 32 x 1024 tokens per step, N = 8.
+_STUDY: Dict[str, Any] = dict(
+    _COMMON,
+    seq_length=1024,
+    global_batch_size=32,
+    train_iters=500,
+    lr=2e-3,
+    min_lr=2e-4,
+    lr_warmup_iters=50,
+    eval_interval=50,
+    eval_iters=10,
+    log_interval=50,
+    num_blocks=8,
+    rotary_base=10000,
+)
+
 PRESETS: Dict[str, Dict[str, Any]] = {
     # A few million parameters; trains on the embedded stdlib corpus on 2 CPU cores in
     # a few minutes.
@@ -53,44 +69,22 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # The quality study's model (docs/results.md): 25.7M non-embedding parameters, 8
     # depth blocks of one layer each; 500 steps of 32 x 1024 tokens.
     "study-25m": dict(
-        _COMMON,
+        _STUDY,
         num_layers=8,
         hidden_size=512,
         num_attention_heads=8,
         ffn_hidden_size=1408,
-        seq_length=1024,
         micro_batch_size=32,
-        global_batch_size=32,
-        train_iters=500,
-        lr=2e-3,
-        min_lr=2e-4,
-        lr_warmup_iters=50,
-        eval_interval=50,
-        eval_iters=10,
-        log_interval=50,
-        num_blocks=8,
-        rotary_base=10000,
     ),
     # The quality study's larger model: 103.8M non-embedding parameters, 8 depth blocks
     # of two layers each; the same tokens per step as study-25m in two micro-batches.
     "study-100m": dict(
-        _COMMON,
+        _STUDY,
         num_layers=16,
         hidden_size=768,
         num_attention_heads=12,
         ffn_hidden_size=1792,
-        seq_length=1024,
         micro_batch_size=16,
-        global_batch_size=32,
-        train_iters=500,
-        lr=2e-3,
-        min_lr=2e-4,
-        lr_warmup_iters=50,
-        eval_interval=50,
-        eval_iters=10,
-        log_interval=50,
-        num_blocks=8,
-        rotary_base=10000,
     ),
     # The LR-AttnRes paper's 0.5B model.
     "0.5b": dict(
