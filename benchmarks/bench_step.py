@@ -39,12 +39,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_common  # noqa: E402
-from step_sources import CopySources, SavedTensors  # noqa: E402
+from step_sources import CopySources, KernelLaunchers, SavedTensors  # noqa: E402
 from plain_gpt import PlainShape, PlainTrainer  # noqa: E402
 
 logger = logging.getLogger("bench_step")
 TOP_KERNELS = 25
 TOP_COPIES = 20
+TOP_LAUNCHERS = 40
 # Kernel families of the summary rows, first match wins (lower-cased substrings of the name).
 FAMILIES = (
     ("attention", ("sdpa", "flash", "fmha", "attention")),
@@ -96,6 +97,11 @@ def _own_parser() -> argparse.ArgumentParser:
                         "'ours ARM [NAME]', timed alternating with the rest (e.g. "
                         "--variant 'ce_native=--cross-entropy-fusion-impl native'); "
                         "repeatable")
+    p.add_argument("--launchers-csv", default=None,
+                   help="append, for every GPU kernel of one eager step of each of our arms "
+                        "(a fresh build), the op chain that launched it and its device time "
+                        "(torch.profiler with Python stacks: copies inside an op's C++ code "
+                        "and inside compiled regions included)")
     p.add_argument("--saved-csv", default=None,
                    help="the tensors autograd saves in that step, by forward line "
                         "(step_sources.py), appended here")
@@ -108,7 +114,7 @@ def _own_flags(argv: Sequence[str]):
     from megatron_lrattn.training.arguments import ArgumentError
 
     own, rest = _own_parser().parse_known_args(argv)
-    for flag in ("csv", "kernels_csv", "copies_csv", "saved_csv"):
+    for flag in ("csv", "kernels_csv", "copies_csv", "saved_csv", "launchers_csv"):
         path = getattr(own, flag)
         problem = path is not None and bench_common.csv_path_problem(
             "--" + flag.replace("_", "-"), path)
@@ -224,20 +230,28 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def _step_sources(builders) -> "tuple[Dict[str, List], Dict[str, List]]":
-    """(copies, saved) tables of one eager step of each of our models, each built afresh:
-    the second step of the new model (warm; a CUDA graph is captured only after 3)."""
+def _step_sources(builders, dispatch: bool = True
+                  ) -> "tuple[Dict[str, List], Dict[str, List], Dict[str, List]]":
+    """(copies, saved, launchers) tables of eager steps of each of our models, each built
+    afresh: the kernel launchers of its second step (profiled, compiled regions running
+    compiled), then with ``dispatch`` the copies and saved tensors of its third (a Python
+    dispatch mode: compiled regions run eager); a CUDA graph is captured only after 3."""
     copies: Dict[str, List[Dict[str, object]]] = {}
     saved: Dict[str, List[Dict[str, object]]] = {}
+    launchers: Dict[str, List[Dict[str, object]]] = {}
     for build in builders:
         m = build()
         m.run(timed=False)
-        with CopySources() as cs, SavedTensors(before=m.tensors()) as st:
+        with KernelLaunchers() as kl:
             m.run(timed=False)
-        copies[m.name], saved[m.name] = cs.table(), st.table()
+        launchers[m.name] = kl.table()
+        if dispatch:
+            with CopySources() as cs, SavedTensors(before=m.tensors()) as st:
+                m.run(timed=False)
+            copies[m.name], saved[m.name] = cs.table(), st.table()
         del m
         _release()
-    return copies, saved
+    return copies, saved, launchers
 
 
 def _summary(m: _Timed, tokens: int, peak_tflops: float) -> Dict[str, object]:
@@ -256,7 +270,11 @@ def _report_sources(tables: Dict[str, List[Dict[str, object]]], path: str, base:
     rows = []
     for name, table in tables.items():
         print("\n" + heading(name, table))
-        for r in table[:TOP_COPIES]:
+        for r in table[:TOP_COPIES if label else TOP_LAUNCHERS]:
+            if label is None:  # KernelLaunchers rows
+                print(f"  {r['device_us'] / 1e3:8.2f} {r['calls']:5d}x {r['kernel'][:48]:48s} "
+                      f"{r['launcher'][:150]} [{r['shapes'][:60]}]")
+                continue
             print(f"  {r['bytes'] / 1e6:9.1f} {r['calls']:5d}x {r[label]:10s} "
                   f"{r['dtype']:18s} {r['source'][:120]}")
         rows += [dict(base, model=name, **r) for r in table]
@@ -394,7 +412,7 @@ def run(own, args) -> int:
                                   ms=round(us / 1e3, 3), share=round(us / step_us, 4)))
         if own.kernels_csv:
             bench_common.append_rows(own.kernels_csv, list(krows[0]), krows)
-        if not (own.copies_csv or own.saved_csv):
+        if not (own.copies_csv or own.saved_csv or own.launchers_csv):
             return 0
         # The sources of copies and saved tensors come last, from fresh builds: under a
         # Python dispatch mode torch.compile cannot run, and a compiled function it skipped
@@ -403,7 +421,11 @@ def run(own, args) -> int:
         models.clear()
         m = None
         _release()
-        copies, saved = _step_sources(ours)
+        copies, saved, launchers = _step_sources(ours, dispatch=bool(own.copies_csv
+                                                                     or own.saved_csv))
+        if own.launchers_csv:
+            _report_sources(launchers, own.launchers_csv, base, None, lambda name, table: (
+                f"kernels of {name} by launcher, one eager step (device ms, the most first)"))
         if own.copies_csv:
             _report_sources(copies, own.copies_csv, base, "op", lambda name, table: (
                 f"copies of {name}, one eager step (MB moved: read + write of the output; "

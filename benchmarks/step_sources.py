@@ -8,6 +8,12 @@ is the innermost frames of the Python stack outside torch; in the backward it is
 autograd node that runs (``CatBackward0``, ...) and, with anomaly mode on (recorded for this
 step only), the forward line that created that node.
 
+``KernelLaunchers`` profiles a step (``torch.profiler`` with Python stacks and shapes) and
+names, for every GPU kernel, the op chain that launched it: the innermost aten op, the ops
+around it, and the nearest Python frames outside torch (in the backward, the autograd node
+instead). It sees what the dispatch mode above cannot: copies made inside an op's own C++
+code (an attention kernel making its inputs contiguous) and inside compiled regions.
+
 ``SavedTensors`` records what autograd keeps for the backward (every tensor packed by
 ``save_for_backward`` or a built-in node, counted once per storage): bytes by dtype and the
 forward line that saved it. Parameters and other tensors that outlive the step are listed
@@ -18,6 +24,10 @@ its context instead of saving them are not seen.
     with CopySources() as copies, SavedTensors() as saved:
         step()
     for row in copies.table() + saved.table(): ...
+
+    with KernelLaunchers() as launchers:
+        step()
+    for row in launchers.table(): ...
 """
 
 from __future__ import annotations
@@ -172,3 +182,108 @@ class SavedTensors:
         rows = [dict(op="saved", dtype=dt, source=src, kind=kind, calls=n, bytes=b)
                 for (dt, src, kind), (n, b) in self.rows.items()]
         return sorted(rows, key=lambda r: -r["bytes"])
+
+
+_TORCH_FRAME = re.compile(r"(^|/)torch/|^<built-in |^<frozen |contextlib\.py|"
+                          r"/_python_dispatch|threading\.py")
+
+
+def _launcher(event, frames: int) -> "tuple[str, str]":
+    """(op chain, shapes) of the CPU event that launched a kernel: the ops from the
+    innermost out, then up to ``frames`` Python frames outside torch (short paths)."""
+    ops: List[str] = []
+    where: List[str] = []
+    p = event
+    while p is not None and len(where) < frames:
+        name = p.name
+        if getattr(p, "is_python_function", False) or re.search(r"\.py\(\d+\): ", name):
+            path, _, rest = name.partition("(")
+            if not _TORCH_FRAME.search(path) and not name.startswith("<"):
+                where.append(f"{_short(path)}({rest}")
+        elif not name.startswith("<built-in"):
+            if name.startswith("autograd::engine::evaluate_function: "):
+                node = name.split(": ", 1)[1]
+                if ops and ops[-1] == node:
+                    ops.pop()
+                ops.append("backward: " + node)
+                break  # the frames above are the caller of backward(), not the source
+            if name.startswith(("aten::", "cuda", "triton", "Torch-Compiled", "CompiledFunction",
+                                  "##")) or "Backward" in name or "::" in name:
+                ops.append(name)
+        p = p.cpu_parent
+    shapes = getattr(event, "input_shapes", None) or []
+    shape = ";".join("x".join(str(d) for d in s) for s in shapes if s)
+    return " < ".join(ops[:6] + where), shape
+
+
+class KernelLaunchers:
+    """Device time of every GPU kernel by (kernel, launching op chain, input shapes).
+
+    A ``torch.profiler`` run (CPU + CUDA activities, Python stacks, shapes) around the
+    block; each kernel is charged to the CPU op that launched it (the profiler's
+    correlation of launch and kernel). On CPU there are no kernels and the table is empty.
+
+    Args:
+        frames: Python frames outside torch named per chain (innermost first).
+    """
+
+    def __init__(self, frames: int = 3):
+        self.frames = frames
+        self.rows: Dict[Tuple[str, str, str], List[float]] = collections.defaultdict(
+            lambda: [0, 0.0])
+        self._prof = None
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(ProfilerActivity.CUDA)
+        self._prof = profile(activities=acts, with_stack=True, record_shapes=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out = self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.add(self._prof.events())
+        return out
+
+    def add(self, events) -> None:
+        """Charge the kernels of finished profiler ``events`` to their launchers."""
+        from torch.autograd import DeviceType
+
+        device: Dict[str, List[float]] = collections.defaultdict(lambda: [0, 0.0])
+        for e in events:
+            if e.device_type != DeviceType.CPU:
+                if not getattr(e, "is_user_annotation", False):
+                    d = device[e.name]
+                    d[0] += 1
+                    d[1] += e.time_range.elapsed_us()
+                continue
+            kernels = getattr(e, "kernels", None)
+            if not kernels:
+                continue
+            chain, shape = _launcher(e, self.frames)
+            for k in kernels:
+                row = self.rows[(k.name, chain, shape)]
+                row[0] += 1
+                row[1] += float(k.duration)
+                d = device[k.name]
+                d[0] -= 1
+                d[1] -= float(k.duration)
+        # kernels the profiler linked to no CPU op (a launch outside any recorded op)
+        for name, (n, us) in device.items():
+            if n > 0 and us > 0.05:
+                row = self.rows[(name, "(no CPU op)", "")]
+                row[0] += n
+                row[1] += us
+
+    def table(self) -> List[Dict[str, object]]:
+        """Rows ``kernel, launcher, shapes, calls, device_us``; the most time first."""
+        rows = [dict(kernel=k, launcher=chain, shapes=shape, calls=int(n),
+                     device_us=round(us, 1))
+                for (k, chain, shape), (n, us) in self.rows.items()]
+        return sorted(rows, key=lambda r: -r["device_us"])

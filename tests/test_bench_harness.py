@@ -222,6 +222,60 @@ def test_copy_sources_name_the_forward_line_of_each_copy():
     assert not torch.is_anomaly_enabled()  # anomaly mode only inside the block
 
 
+def test_kernel_launchers_charge_each_kernel_to_the_op_that_launched_it():
+    """Each GPU kernel goes to its innermost launching op, named with the ops around it and
+    the nearest frames outside torch (in the backward: the autograd node, not the caller of
+    backward()); a kernel linked to no op is listed as such; the most time first."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_sources import KernelLaunchers
+    finally:
+        sys.path.pop(0)
+
+    ids = iter(range(1, 100))
+
+    def cpu(name, parent=None, shapes=None, python=False):
+        e = FunctionEvent(next(ids), name, 1, 0, 10, input_shapes=shapes,
+                          is_python_function=python)
+        if parent is not None:
+            e.set_cpu_parent(parent)
+        return e
+
+    def gpu(name, us):
+        return FunctionEvent(next(ids), name, 7, 0, us, device_type=DeviceType.CUDA)
+
+    frame = cpu("/x/lib/python3.12/site-packages/megatron_lrattn/model/attention.py(181): forward",
+                python=True)
+    torch_frame = cpu("/x/site-packages/torch/nn/modules/module.py(1775): _call_impl",
+                      parent=frame, python=True)
+    sdpa = cpu("aten::_scaled_dot_product_cudnn_attention", parent=torch_frame)
+    contig = cpu("aten::contiguous", parent=sdpa)
+    copy = cpu("aten::copy_", parent=contig, shapes=[[8, 16, 2048, 128], [8, 16, 2048, 128]])
+    caller = cpu("/x/benchmarks/bench_step.py(190): <lambda>", python=True)
+    node = cpu("autograd::engine::evaluate_function: SplitWithSizesBackward0", parent=caller)
+    inner = cpu("SplitWithSizesBackward0", parent=node)
+    cat = cpu("aten::cat", parent=inner)
+    k1, k2, k3, stray = (gpu("direct_copy_kernel_cuda", 300), gpu("direct_copy_kernel_cuda", 200),
+                         gpu("CatArrayBatchedCopy", 100), gpu("triton_poi_fused_0", 50))
+    copy.append_kernel(k1.name, 0, 300)
+    copy.append_kernel(k2.name, 0, 200)
+    cat.append_kernel(k3.name, 0, 100)
+    kl = KernelLaunchers()
+    kl.add([frame, torch_frame, sdpa, contig, copy, caller, node, inner, cat, k1, k2, k3, stray])
+    rows = kl.table()
+    assert [r["device_us"] for r in rows] == [500.0, 100.0, 50.0]
+    assert rows[0]["calls"] == 2 and rows[0]["kernel"] == "direct_copy_kernel_cuda"
+    assert rows[0]["launcher"] == ("aten::copy_ < aten::contiguous < "
+                                   "aten::_scaled_dot_product_cudnn_attention < "
+                                   "megatron_lrattn/model/attention.py(181): forward")
+    assert rows[0]["shapes"] == "8x16x2048x128;8x16x2048x128"
+    assert rows[1]["launcher"] == "aten::cat < backward: SplitWithSizesBackward0"
+    assert rows[2]["launcher"] == "(no CPU op)" and rows[2]["kernel"] == "triton_poi_fused_0"
+
+
 def test_saved_tensors_counts_each_storage_once_and_tells_weights_apart():
     """What autograd saves, by forward line: a linear layer's input (activation) and weight
     (kept: it existed before the step); a tensor saved twice is counted once."""

@@ -167,7 +167,8 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
                 --preset "$preset" "${flags[@]}" "${common[@]}" \
                 --arms "${BENCH_ARMS:-standard,lr_attnres}" --rounds 5 --steps-per-round 3 \
                 "${variants[@]}" --csv "$OUT/step.csv" --kernels-csv "$OUT/step_kernels.csv" \
-                --copies-csv "$OUT/step_copies.csv" --saved-csv "$OUT/step_saved.csv"
+                --copies-csv "$OUT/step_copies.csv" --saved-csv "$OUT/step_saved.csv" \
+                --launchers-csv "$OUT/step_launchers.csv"
         fi
         # PROFILE_ARMS set but empty: bench_step.py only
         [ -n "${PROFILE_ARMS-x}" ] || continue
