@@ -31,13 +31,10 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
-from megatron_lrattn.model.norms import RMSNorm
 
 
 def rotary_tables(freqs: Tensor, dtype: torch.dtype) -> "tuple[Tensor, Tensor]":
@@ -61,34 +58,7 @@ def rotary_to_heads(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x, x_pass), dim=-1).permute(1, 2, 0, 3)
 
 
-def split_rotary_to_heads(mixed: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos: Tensor,
-                          k_sin: Tensor, q_per_group: int, q_norm: Optional[Tensor] = None,
-                          k_norm: Optional[Tensor] = None, eps: Optional[float] = None
-                          ) -> "tuple[Tensor, Tensor, Tensor]":
-    """Megatron's split of the fused QKV projection, its QK-norm (RMSNorm gains ``q_norm``
-    and ``k_norm``, when given), the rotary embedding of q and k and the layout change for
-    SDPA, as one function (one compiled kernel each way on CUDA).
-
-    ``mixed``: [s, b, ng, (q_per_group + 2) * hn], the QKV projection's output viewed per
-    query group (megatron's interleaved layout: the group's q heads, then its k and v head).
-    Returns q [b, ng * q_per_group, s, hn] and k [b, ng, s, hn] (rotary applied, megatron's
-    non-interleaved formula) and v [b, ng, s, hn]. Megatron splits with views and gathers the
-    three gradients with a concatenation in the backward; here the backward writes the
-    projection's gradient in one pass (v is copied in the forward so that its gradient enters
-    that pass instead of a second, strided one).
-    """
-    s, b, ng, width = mixed.shape
-    hn = width // (q_per_group + 2)
-    q, k, v = torch.split(mixed, [q_per_group * hn, hn, hn], dim=3)
-    q = q.reshape(s, b, ng * q_per_group, hn)
-    if q_norm is not None:  # torch.nn.RMSNorm's forward, as megatron calls the norm modules
-        q, k = F.rms_norm(q, (hn,), q_norm, eps), F.rms_norm(k, (hn,), k_norm, eps)
-    return (rotary_to_heads(q, q_cos, q_sin), rotary_to_heads(k, k_cos, k_sin),
-            v.contiguous().permute(1, 2, 0, 3))
-
-
 _compiled_rotary = None
-_compiled_split_rotary = None
 # The rotary tensor of a sequence length is one tensor for every layer and step
 # (megatron's RotaryEmbedding caches it), so its cos and sin are taken once, not in every
 # layer's kernel: (freqs, dtype) -> (freqs, cos, sin); freqs is held so that its storage
@@ -120,18 +90,6 @@ def _rotary(t: Tensor, freqs: Tensor) -> Tensor:
     if _compiled_rotary is None:
         _compiled_rotary = torch.compile(rotary_to_heads, fullgraph=True, dynamic=False)
     return _compiled_rotary(t, cos, sin)
-
-
-def _split_rotary(mixed: Tensor, q_freqs: Tensor, k_freqs: Tensor, q_per_group: int,
-                  norms=()) -> "tuple[Tensor, Tensor, Tensor]":
-    global _compiled_split_rotary
-    tables = (_cached_tables(q_freqs, mixed.dtype) + _cached_tables(k_freqs, mixed.dtype))
-    if not mixed.is_cuda or is_in_torch_dispatch_mode(include_infra_modes=False):
-        return split_rotary_to_heads(mixed, *tables, q_per_group, *norms)
-    if _compiled_split_rotary is None:
-        _compiled_split_rotary = torch.compile(split_rotary_to_heads, fullgraph=True,
-                                               dynamic=False)
-    return _compiled_split_rotary(mixed, *tables, q_per_group, *norms)
 
 
 def cp_chunk_order(cp: int) -> Tensor:
@@ -186,10 +144,6 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, group, *, dropou
     return torch.cat(outs, dim=2)
 
 
-# SDPACoreAttention.pending_rotary: the inputs are rotated and in [b, heads, s, hn]
-HEADS_LAYOUT = "heads"
-
-
 class SDPACoreAttention(MegatronModule):
     """Causal self-attention core with the constructor and call of ``DotProductAttention``.
 
@@ -209,9 +163,7 @@ class SDPACoreAttention(MegatronModule):
                          if config.context_parallel_size > 1 else None)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
-        # set by RotarySDPASelfAttention for the call it is making: (q_freqs, k_freqs) when
-        # the core applies the rotary embedding, or HEADS_LAYOUT when q, k and v come
-        # already rotated and in SDPA's [b, heads, s, hn] layout
+        # (q_freqs, k_freqs) set by RotarySDPASelfAttention for the call it is making
         self.pending_rotary = None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -222,14 +174,8 @@ class SDPACoreAttention(MegatronModule):
         keyword arguments newer megatron-core versions pass are accepted and unused."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
-        dropout = self.dropout if self.training else 0.0
-        if self.pending_rotary is HEADS_LAYOUT:
-            b, np_, sq, hn = query.shape
-            out = F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
-                enable_gqa=key.shape[1] != np_)
-            return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
         sq, b, np_, hn = query.shape
+        dropout = self.dropout if self.training else 0.0
         if self.pending_rotary is not None:
             q_freqs, k_freqs = self.pending_rotary
             q, k = _rotary(query, q_freqs), _rotary(key, k_freqs)
@@ -281,46 +227,8 @@ class RotarySDPASelfAttention(SelfAttention):
             return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         if not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
-        # the QKV split joins the rotary kernel where megatron's split would run as is
-        self._split_rotary = (
-            rotary_pos_emb if (core.cp_group is None
-                               and not getattr(c, "attention_output_gate", False)
-                               and not getattr(c, "test_mode", False)
-                               and self.num_query_groups_per_partition * self.world_size
-                               == c.num_query_groups
-                               and self._qk_norms() is not None
-                               and all(f is not None and not f.requires_grad
-                                       for f in rotary_pos_emb))
-            else None)
-        core.pending_rotary = HEADS_LAYOUT if self._split_rotary is not None else rotary_pos_emb
+        core.pending_rotary = rotary_pos_emb
         try:
             return super().forward(*args, rotary_pos_emb=None, **kwargs)
         finally:
             core.pending_rotary = None
-            self._split_rotary = None
-
-    def _qk_norms(self):
-        """() without QK-norm, (q gain, k gain, eps) for RMSNorm QK-norm, None otherwise
-        (a norm the joined kernel does not implement: megatron's path runs)."""
-        q, k = self.q_layernorm, self.k_layernorm
-        if all(n is None or isinstance(n, IdentityOp) for n in (q, k)):
-            return ()
-        if (type(q) is RMSNorm and type(k) is RMSNorm and q.eps == k.eps
-                and q.normalized_shape == k.normalized_shape
-                == (self.hidden_size_per_attention_head,)):
-            return q(None), k(None), q.eps  # the module call runs its pre-hooks
-        return None
-
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, *args,
-                                    **kwargs):
-        """Megatron's, or, in a call ``forward`` marked for it, q, k and v from one
-        :func:`split_rotary_to_heads` (rotated, in SDPA's layout)."""
-        freqs = getattr(self, "_split_rotary", None)
-        if freqs is None or kwargs.get("split_qkv", True) is False or kwargs.get("output_gate"):
-            return super().get_query_key_value_tensors(hidden_states, key_value_states,
-                                                       *args, **kwargs)
-        mixed, _ = self.linear_qkv(hidden_states)
-        ng = self.num_query_groups_per_partition
-        q_per_group = self.num_attention_heads_per_partition // ng
-        mixed = mixed.view(*mixed.shape[:2], ng, -1)
-        return _split_rotary(mixed, freqs[0], freqs[1], q_per_group, self._qk_norms())
