@@ -129,15 +129,7 @@ def test_the_qkv_split_joins_the_rotary_kernel_where_it_can(mp, monkeypatch, qk_
     cfg = tiny_config("standard", num_layers=2, num_query_groups=groups)
     cfg.normalization = normalization
     fused_spec = get_lr_attnres_layer_spec(cfg, core_attention="sdpa", qk_layernorm=qk_layernorm)
-    tokens, position_ids, labels = tiny_batch(seed=4)
-    losses, grads = [], []
-    for spec in (fused_spec, _stock_self_attention(fused_spec)):
-        seed_all(5)
-        model = build_gpt(cfg, seed=7, spec=spec)
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    losses, grads = _losses_and_grads(cfg, (fused_spec, _stock_self_attention(fused_spec)), 4)
     assert len(calls) == (2 if fused else 0)  # once per layer, in the first model only
     assert torch.equal(losses[0], losses[1])
     for n in grads[0]:
@@ -145,6 +137,21 @@ def test_the_qkv_split_joins_the_rotary_kernel_where_it_can(mp, monkeypatch, qk_
             torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=n)
         else:
             assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def _losses_and_grads(cfg, specs, batch_seed: int):
+    """The loss and every parameter's gradient of one forward-backward of a model built
+    (same seeds) from each layer spec in ``specs``, on one random batch."""
+    tokens, position_ids, labels = tiny_batch(seed=batch_seed)
+    losses, grads = [], []
+    for spec in specs:
+        seed_all(5)
+        model = build_gpt(cfg, seed=7, spec=spec)
+        loss = model(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return losses, grads
 
 
 def _stock_self_attention(spec):
@@ -166,16 +173,7 @@ def test_sdpa_spec_rotary_inside_core_matches_megatron_rotary(mp, residual):
 
     cfg = tiny_config(residual, num_layers=2, **({} if residual == "standard" else {"num_blocks": 3}))
     fused_spec = get_lr_attnres_layer_spec(cfg, core_attention="sdpa")
-    stock_spec = _stock_self_attention(fused_spec)
-    tokens, position_ids, labels = tiny_batch(seed=3)
-    losses, grads = [], []
-    for spec in (fused_spec, stock_spec):
-        seed_all(5)
-        model = build_gpt(cfg, seed=7, spec=spec)
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    losses, grads = _losses_and_grads(cfg, (fused_spec, _stock_self_attention(fused_spec)), 3)
     assert torch.equal(losses[0], losses[1])
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
