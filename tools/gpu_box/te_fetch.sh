@@ -6,14 +6,15 @@
 # Writes (all under .whl/, which git ignores):
 #   .whl/te/           the downloads: core wheel, TE Python wheel, transformer_engine_torch
 #                      sdist, pydantic and build helpers (setuptools, wheel) for cp312
-#   .whl/te_chunks/NN  the core wheel in pieces of at most 55 MiB (carried one per call)
+#   .whl/te_chunks/NN  the core wheel in pieces of at most 45 MiB (carried one per call)
 #   .whl/te_extra/     everything but the core wheel, plus SHA256SUMS (carried with the build)
 # Then, on the box: `run.sh te carry NN` for every chunk, `run.sh te build` (tools/gpu_box/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VERSION=${TE_VERSION:-2.20.2}
 CUDA=${TE_CUDA:-cu13}
-CHUNK_MIB=${TE_CHUNK_MIB:-55}
+# a call carries the working tree too, 64 MiB in all: pieces of 45 MiB leave room for it
+CHUNK_MIB=${TE_CHUNK_MIB:-45}
 DL=.whl/te CHUNKS=.whl/te_chunks EXTRA=.whl/te_extra
 BOX=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
