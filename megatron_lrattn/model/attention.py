@@ -383,7 +383,7 @@ class RotarySDPASelfAttention(SelfAttention):
                                and not getattr(c, "test_mode", False)
                                and self.num_query_groups_per_partition * self.world_size
                                == c.num_query_groups
-                               and self._qk_norms() is not None
+                               and self._qk_norm_joins()
                                and all(f is not None and not f.requires_grad
                                        for f in rotary_pos_emb))
             else None)
@@ -394,18 +394,26 @@ class RotarySDPASelfAttention(SelfAttention):
             core.pending_rotary = None
             self._split_rotary = None
 
-    def _qk_norms(self):
-        """() without QK-norm, (q gain, k gain, eps) for RMSNorm QK-norm, None otherwise
-        (a norm the joined kernel does not implement: megatron's path runs)."""
+    def _no_qk_norm(self) -> bool:
+        return all(n is None or isinstance(n, IdentityOp)
+                   for n in (self.q_layernorm, self.k_layernorm))
+
+    def _qk_norm_joins(self) -> bool:
+        """No QK-norm, or an RMSNorm one over the head dimension (what the joined node
+        implements; any other norm runs megatron's path)."""
         q, k = self.q_layernorm, self.k_layernorm
-        if all(n is None or isinstance(n, IdentityOp) for n in (q, k)):
+        return self._no_qk_norm() or (
+            type(q) is RMSNorm and type(k) is RMSNorm and q.eps is not None
+            and q.eps == k.eps
+            and q.normalized_shape == k.normalized_shape == (self.hidden_size_per_attention_head,))
+
+    def _qk_norms(self):
+        """() without QK-norm, else (q gain, k gain, eps) of the RMSNorm QK-norm that
+        :meth:`_qk_norm_joins` accepted."""
+        if self._no_qk_norm():
             return ()
-        if (type(q) is RMSNorm and type(k) is RMSNorm and q.eps is not None
-                and q.eps == k.eps
-                and q.normalized_shape == k.normalized_shape
-                == (self.hidden_size_per_attention_head,)):
-            return q(None), k(None), q.eps  # the module call runs its pre-hooks
-        return None
+        q, k = self.q_layernorm, self.k_layernorm
+        return q(None), k(None), q.eps  # the module call runs its pre-hooks
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, *args,
                                     **kwargs):
@@ -413,6 +421,8 @@ class RotarySDPASelfAttention(SelfAttention):
         :func:`split_rotary_to_heads` (rotated, in SDPA's layout)."""
         freqs = getattr(self, "_split_rotary", None)
         if freqs is None or kwargs.get("split_qkv", True) is False or kwargs.get("output_gate"):
+            if freqs is not None:  # the core applies the rotary embedding after all
+                self.core_attention.pending_rotary = freqs
             return super().get_query_key_value_tensors(hidden_states, key_value_states,
                                                        *args, **kwargs)
         mixed, _ = self.linear_qkv(hidden_states)
