@@ -447,7 +447,7 @@ te_carry() {  # NN: keep piece NN of the TE core wheel in /tmp/te_chunks (outliv
         "$(grep -c ' chunks/' "$sums") pieces in $dst"
 }
 
-te_train() {  # the TE tests, then PRESET for ITERS iterations per arm (ARMS)
+te_train() {  # [pretrain flags]: the TE tests, then PRESET for ITERS iterations per arm (ARMS)
     [ -f /tmp/te_env.sh ] || { log "te train: run 'run.sh te build' on this machine first"; return 2; }
     local runs=/tmp/te_runs arm files=()
     mkdir -p "$runs"
@@ -466,8 +466,8 @@ te_train() {  # the TE tests, then PRESET for ITERS iterations per arm (ARMS)
     for arm in ${ARMS:-local te_bf16 te_fp8_delayed te_fp8_tensorwise}; do
         rm -f "$runs/te_$arm.jsonl"
         # shellcheck disable=SC2086
-        step "TE arm $arm: ${arm_flags[$arm]}" "${TRAIN_S:-300}" pretrain "${common[@]}" \
-            ${arm_flags[$arm]} --log-json "$runs/te_$arm.jsonl"
+        step "TE arm $arm: ${arm_flags[$arm]} $*" "${TRAIN_S:-300}" pretrain "${common[@]}" \
+            ${arm_flags[$arm]} "$@" --log-json "$runs/te_$arm.jsonl"
         [ -f "$runs/te_$arm.jsonl" ] && cp "$runs/te_$arm.jsonl" "$OUT/"
     done
     # every arm run on this machine so far (arms split over calls share one table)
@@ -477,15 +477,15 @@ te_train() {  # the TE tests, then PRESET for ITERS iterations per arm (ARMS)
     [ ${#files[@]} -gt 0 ] && table "${files[@]}" --skip 10 --json "$OUT/te_train_summary.json"
 }
 
-suite_te() {  # carry NN | build | train
+suite_te() {  # carry NN | build | train [pretrain flags]
     case ${1:-} in
     carry) shift; te_carry "$@" || status=$? ;;
     build) step "TE build (tools/gpu_box/te_build.sh)" "${BUILD_S:-580}" bash "$HERE/te_build.sh"
            [ -f /tmp/te_env.sh ] && . /tmp/te_env.sh
            step "megatron-core sees TE" 60 python3 -c \
                "from megatron_lrattn.compat.te import require_te; require_te(); print('TE importable by megatron-core')" ;;
-    train) te_train ;;
-    *) log "usage: run.sh te carry NN | te build | te train"; status=2 ;;
+    train) shift; te_train "$@" ;;
+    *) log "usage: run.sh te carry NN | te build | te train [pretrain flags]"; status=2 ;;
     esac
 }
 
