@@ -125,6 +125,24 @@ def test_a_parameter_without_rule_is_an_error():
             init_by_global_name(model, config, SEED)
 
 
+
+def test_a_fused_norm_and_linear_is_a_projection_not_a_norm():
+    """TE's LayerNormLinear (the QKV projection of the TE spec) holds a norm gain and a
+    projection weight: the weight gets the projection's rule, the gain stays constant."""
+    from megatron_lrattn.model.init import init_rule
+
+    class LayerNormLinear(torch.nn.Module):  # the name TE's fused module carries
+        pass
+
+    class RMSNorm(torch.nn.Module):
+        pass
+
+    config = tiny_config(num_layers=2, num_blocks=2)
+    path = "decoder.layers.0.self_attention.linear_qkv"
+    assert init_rule(path, LayerNormLinear(), "weight", config) is config.init_method
+    assert init_rule(path, LayerNormLinear(), "layer_norm_weight", config) is None
+    assert init_rule("decoder.final_layernorm", RMSNorm(), "weight", config) is None
+
 CLI = ["--preset", "tiny", "--train-iters", "4", "--lr-warmup-iters", "1",
        "--eval-interval", "1000", "--seed", str(SEED), "--no-progress",
        # 4 micro-batches per step: the interleaved schedule needs at least 2P on CPU
@@ -164,24 +182,20 @@ LAYOUTS = {
 }
 
 
-def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> dict:
-    rows = pretrain_rows(nproc, CLI + extra, log, cache_dir)
+def _split(rows) -> dict:
     return {"valid": [r["loss"] for r in rows if r["type"] == "valid"],
             "train": [(r["iteration"], r["loss"]) for r in rows if r["type"] == "train"]}
 
 
+def _pretrain(nproc: int, extra, log: Path, cache_dir: Path) -> dict:
+    return _split(pretrain_rows(nproc, CLI + extra, log, cache_dir))
+
+
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, data_cache):
-    """One-process runs, computed once per model and shared by the layouts."""
-    runs = {}
-
-    def get(model) -> dict:
-        if tuple(model) not in runs:
-            log = tmp_path_factory.mktemp("ref") / "ref.jsonl"
-            runs[tuple(model)] = _pretrain(1, list(model), log, data_cache)
-        return runs[tuple(model)]
-
-    return get
+def one_process(pretrain_once):
+    """One-process runs, computed once per model and shared by the layouts (and with
+    test_context_parallel, which runs the same command)."""
+    return lambda model: _split(pretrain_once(1, CLI + list(model)))
 
 
 @pytest.mark.slow

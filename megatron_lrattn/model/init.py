@@ -69,7 +69,10 @@ def global_parameter_name(name: str, model: nn.Module) -> str:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
+    # a norm module (torch's, megatron's FusedLayerNorm / WrappedTorchNorm, TE's RMSNorm),
+    # not a fused norm + linear such as TE's LayerNormLinear, whose weight is a projection's
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
+        type(module).__name__.lower().endswith("norm"))
 
 
 def init_rule(module_path: str, module: nn.Module, leaf: str, config) -> Optional[Callable]:
