@@ -15,6 +15,9 @@ native`` keeps megatron-core's compiled one. The training
 step also adds weight gradients to megatron's fp32 gradient buffer inside the GEMM
 (megatron-core's gradient-accumulation fusion, ``megatron_lrattn.compat.wgrad_fusion``;
 ``--no-gradient-accumulation-fusion``).
+After the gradient norm, the clipping, AdamW and the copy of the main weights into the bf16
+model weights run as one kernel where megatron-core's optimizer allows it
+(``megatron_lrattn.training.optimizer_step``; off with ``--no-fused-adamw``).
 ``--cuda-graph-impl full_iteration`` replays the step's forward and backward as one CUDA
 graph (``megatron_lrattn.training.cuda_graph``).
 """
@@ -58,7 +61,8 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
                         "megatron_lrattn.compat.wgrad_fusion where Apex is absent)")
     g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
                    help="keep torch's multi-tensor AdamW when megatron-core falls back to it "
-                        "(default: torch's fused AdamW)")
+                        "(default: torch's fused AdamW, and without --use-distributed-optimizer "
+                        "the clipping, AdamW and the bf16 weight copy as one Triton kernel)")
     add_cuda_graph_args(g)
 
 

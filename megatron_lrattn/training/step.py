@@ -35,6 +35,7 @@ from megatron_lrattn.training.builder import (
     wrap_model,
 )
 from megatron_lrattn.training.numerics import check_step
+from megatron_lrattn.training.optimizer_step import mixed_precision_adamw
 
 
 def use_bf16(args: argparse.Namespace) -> bool:
@@ -189,6 +190,8 @@ class TrainStep:
         on_nonfinite: ``stop`` or ``skip`` (``--on-nonfinite``).
         graph: the captured forward-backward of training steps
             (``--cuda-graph-impl full_iteration``), else None.
+        optimizer_step: what steps the optimizer (``optimizer_step.mixed_precision_adamw``),
+            else None: ``optimizer.step``.
     """
 
     config: LRAttnResConfig
@@ -200,6 +203,7 @@ class TrainStep:
     forward_step: Callable
     on_nonfinite: str
     graph: Optional[StepGraph] = None
+    optimizer_step: Optional[Callable] = None
 
     def _forward_backward(self, data_iterator, forward_only: bool) -> List[Dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -233,7 +237,7 @@ class TrainStep:
         if nonfinite is not None:
             # Skipped: optimizer, parameters and LR schedule stay as they were.
             return StepResult(loss, False, None, nonfinite)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, grad_norm, _ = (self.optimizer_step or self.optimizer.step)()
         self.scheduler.step(increment=1)
         return StepResult(loss, ok, None if grad_norm is None else float(grad_norm), None)
 
@@ -304,6 +308,7 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
     step = TrainStep(config, models, optimizer, scheduler, num_params, step_kwargs,
                      partial(forward_step, device), args.on_nonfinite)
+    step.optimizer_step = mixed_precision_adamw(optimizer, getattr(args, "fused_adamw", True))
     if graph:
         step.graph = StepGraph(step._forward_backward, num_micro, device,
                                args.cuda_graph_warmup_steps)

@@ -1,0 +1,205 @@
+"""AdamW over many tensors in one Triton kernel that also clips the gradients and writes the
+bf16 model weights.
+
+megatron-core's mixed-precision optimizer step without Apex or TE is three passes over the
+parameters after the gradient norm: the clipping scales every fp32 gradient in place (read
+and write, 8 bytes a parameter), torch's fused AdamW updates the fp32 main weights and the
+two moments (28 bytes), and the main weights are copied into the bf16 model weights (6
+bytes): 42 bytes a parameter. Here one kernel reads the gradient, the weight and the two
+moments, scales the gradient by the clipping factor in registers, and writes the weight, the
+moments and the bf16 copy: 30 bytes a parameter.
+
+The update is torch's AdamW (decoupled weight decay, no amsgrad), with the step count read
+from each tensor's ``state["step"]`` (a device scalar, as torch's fused AdamW keeps it) and
+the bias corrections computed from it in fp64 in the kernel, so nothing is read back to the
+host. Tensors of any sizes and places are walked through a table of their addresses: one
+program per ``BLOCK`` elements of one tensor.
+
+``multi_tensor_adamw`` is the launcher; ``adamw_reference`` is the same update in torch ops
+(the tests compare both against ``torch.optim.AdamW``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 4096
+"""Elements per program."""
+WARPS = 8
+
+HYPER_COLUMNS = 6
+"""Per parameter group, fp64: lr, weight decay, beta1, beta2, eps, gradient scale."""
+
+
+@triton.jit
+def adamw_kernel(chunk_tensor, chunk_start, numels, groups, param_addr, grad_addr,
+                 exp_avg_addr, exp_avg_sq_addr, step_addr, model_addr, hyper,
+                 BLOCK: tl.constexpr, HYPER_COLUMNS: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_tensor + pid)
+    offs = tl.load(chunk_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < tl.load(numels + t)
+    h = hyper + tl.load(groups + t) * HYPER_COLUMNS
+    lr = tl.load(h)
+    weight_decay = tl.load(h + 1)
+    beta1 = tl.load(h + 2)
+    beta2 = tl.load(h + 3)
+    eps = tl.load(h + 4).to(tl.float32)
+    scale = tl.load(h + 5).to(tl.float32)
+    step = tl.load(tl.load(step_addr + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
+    # bias corrections in fp64, as torch's fused AdamW computes them
+    bias1 = 1.0 - tl.exp(step * tl.log(beta1))
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2))).to(tl.float32)
+    step_size = (lr / bias1).to(tl.float32)
+    decay = (lr * weight_decay).to(tl.float32)
+    b1 = beta1.to(tl.float32)
+    b2 = beta2.to(tl.float32)
+    c1 = (1.0 - beta1).to(tl.float32)
+    c2 = (1.0 - beta2).to(tl.float32)
+
+    p_ptr = tl.load(param_addr + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(grad_addr + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(exp_avg_addr + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(exp_avg_sq_addr + t).to(tl.pointer_type(tl.float32))
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0) * scale
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    p = p - decay * p
+    m = b1 * m + c1 * g
+    v = b2 * v + c2 * g * g
+    p = p - step_size * (m / (tl.sqrt(v) / bias2_sqrt + eps))
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    out = tl.load(model_addr + t)
+    if out != 0:
+        tl.store(out.to(tl.pointer_type(tl.uint16)) + offs, _bf16_bits(p), mask=mask)
+
+
+@triton.jit
+def _bf16_bits(x):
+    # fp32 -> bf16 rounded to nearest even, as torch rounds, spelled out in integer ops (the
+    # Triton interpreter truncates in its own conversion); NaN stays a quiet NaN
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16)
+
+
+@dataclass
+class AdamWTensors:
+    """One parameter's tensors: fp32 weight, gradient and moments, the step scalar, and the
+    bf16 model weight to write (None: the weight itself is the model's)."""
+
+    param: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: Tensor
+    model: Optional[Tensor]
+    group: int
+
+
+def _check(t: AdamWTensors, i: int) -> None:
+    for name in ("param", "grad", "exp_avg", "exp_avg_sq"):
+        x = getattr(t, name)
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != t.param.numel():
+            raise ValueError(f"multi_tensor_adamw: tensor {i} {name}: needs a contiguous fp32 "
+                             f"tensor of {t.param.numel()} elements, got {x.dtype} "
+                             f"{tuple(x.shape)} contiguous={x.is_contiguous()}")
+    if t.step.dtype != torch.float32 or t.step.numel() != 1:
+        raise ValueError(f"multi_tensor_adamw: tensor {i} step: needs one fp32 element, got "
+                         f"{t.step.dtype} {tuple(t.step.shape)}")
+    if t.model is not None and (t.model.dtype != torch.bfloat16 or not t.model.is_contiguous()
+                                or t.model.numel() != t.param.numel()):
+        raise ValueError(f"multi_tensor_adamw: tensor {i} model: needs a contiguous bf16 tensor "
+                         f"of {t.param.numel()} elements, got {t.model.dtype} "
+                         f"{tuple(t.model.shape)}")
+
+
+class AdamWTable:
+    """The launch table of a list of ``AdamWTensors``: rebuilt only when an address changes
+    (a checkpoint load replaces the moments, for example)."""
+
+    def __init__(self) -> None:
+        self._key: Optional[Tuple] = None
+        self._tables: Tuple[Tensor, ...] = ()
+        self.programs = 0
+
+    def tables(self, tensors: Sequence[AdamWTensors], device: torch.device) -> Tuple[Tensor, ...]:
+        key = tuple((t.param.data_ptr(), t.grad.data_ptr(), t.exp_avg.data_ptr(),
+                     t.exp_avg_sq.data_ptr(), t.step.data_ptr(),
+                     0 if t.model is None else t.model.data_ptr(), t.param.numel(), t.group)
+                    for t in tensors)
+        if key != self._key:
+            for i, t in enumerate(tensors):
+                _check(t, i)
+            chunk_tensor: List[int] = []
+            chunk_start: List[int] = []
+            for i, t in enumerate(tensors):
+                starts = range(0, t.param.numel(), BLOCK)
+                chunk_tensor += [i] * len(starts)
+                chunk_start += list(starts)
+            cols = list(zip(*key)) if key else [()] * 8
+            as_i64 = lambda xs: torch.tensor(list(xs), dtype=torch.int64, device=device)
+            self._tables = (
+                torch.tensor(chunk_tensor, dtype=torch.int32, device=device),
+                as_i64(chunk_start), as_i64(cols[6]), as_i64(cols[7]),
+                *(as_i64(c) for c in cols[:6]))
+            self._key = key
+            self.programs = len(chunk_tensor)
+        return self._tables
+
+
+def hyper_table(groups: Sequence[dict], grad_scale: float, device: torch.device) -> Tensor:
+    """[groups, HYPER_COLUMNS] fp64 on ``device``: each torch parameter group's lr, weight
+    decay, betas and eps, and the gradient scale (the clipping factor, 1.0 without)."""
+    rows = [[float(g["lr"]), float(g["weight_decay"]), float(g["betas"][0]),
+             float(g["betas"][1]), float(g["eps"]), float(grad_scale)] for g in groups]
+    return torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
+
+
+def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
+                       table: Optional[AdamWTable] = None) -> None:
+    """One AdamW step of every tensor in place (the step scalars are incremented first, as
+    torch does), writing the bf16 model weights where given.
+
+    Args:
+        tensors: the parameters; ``group`` indexes a row of ``hyper``.
+        hyper: ``hyper_table(...)``.
+        table: a table kept between steps (built here when None).
+    """
+    if not tensors:
+        return
+    device = tensors[0].param.device
+    table = table or AdamWTable()
+    tables = table.tables(tensors, device)
+    torch._foreach_add_([t.step for t in tensors], 1.0)
+    adamw_kernel[(table.programs,)](*tables, hyper, BLOCK=BLOCK, HYPER_COLUMNS=HYPER_COLUMNS,
+                                    num_warps=WARPS)
+
+
+def adamw_reference(tensors: Sequence[AdamWTensors], groups: Sequence[dict],
+                    grad_scale: float = 1.0) -> None:
+    """The same step in torch ops (fp32, bias corrections in fp64), in place."""
+    for t in tensors:
+        g = groups[t.group]
+        lr, wd, (beta1, beta2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
+        t.step.add_(1.0)
+        step = float(t.step)
+        bias1 = 1.0 - beta1 ** step
+        bias2_sqrt = (1.0 - beta2 ** step) ** 0.5
+        grad = t.grad * torch.tensor(grad_scale, dtype=torch.float32)
+        t.param.mul_(1.0 - torch.tensor(lr * wd, dtype=torch.float32))
+        t.exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        t.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        denom = t.exp_avg_sq.sqrt() / bias2_sqrt + eps
+        t.param.addcdiv_(t.exp_avg, denom, value=-lr / bias1)
+        if t.model is not None:
+            t.model.copy_(t.param)

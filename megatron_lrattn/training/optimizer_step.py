@@ -1,0 +1,151 @@
+"""megatron-core's mixed-precision optimizer step as one kernel after the gradient norm.
+
+megatron-core's ``Float16OptimizerWithFloat16Params`` (bf16 model weights, fp32 main
+weights, the optimizer of every run without ``--use-distributed-optimizer``) steps in three
+passes after the gradient norm: the clipping scales the fp32 gradients in place, torch's
+AdamW updates the main weights and moments, and the main weights are copied into the bf16
+model weights. ``MixedPrecisionAdamW`` replaces the three by ``megatron_lrattn.ops.adamw``
+(one Triton kernel: the clipping factor applied in registers, the bf16 copy written in the
+same pass), and keeps everything else of megatron's step: its gradient preparation, its
+gradient norm (the value the loop logs) and the clipping factor's formula, and the torch
+optimizer's parameter groups and state, so checkpoints, the LR schedule and a run that
+continues on another path are unchanged.
+
+It applies on CUDA where the optimizer is that class (or megatron's chain of them) around
+torch's ``AdamW`` and the model weights are bf16; ``mixed_precision_adamw`` says why not
+otherwise, and the run keeps megatron's own step. ``--no-fused-adamw`` turns it off with
+torch's fused AdamW.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from megatron_lrattn.ops import adamw
+
+logger = logging.getLogger(__name__)
+
+
+def _parts(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def obstacles(optimizer) -> List[str]:
+    """Why ``MixedPrecisionAdamW`` cannot step ``optimizer`` (empty: it can)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    out = []
+    for part in _parts(optimizer):
+        if type(part) is not Float16OptimizerWithFloat16Params:
+            out.append(f"{type(part).__name__} is not megatron's Float16OptimizerWithFloat16Params")
+            continue
+        if getattr(part, "is_stub_optimizer", False):
+            out.append("an optimizer without parameters")
+            continue
+        inner = part.optimizer
+        if type(inner) is not torch.optim.AdamW:
+            out.append(f"the inner optimizer is {type(inner).__name__}, not torch's AdamW")
+            continue
+        if part.grad_scaler is not None:
+            out.append("a loss scaler (fp16)")
+        cfg = part.config
+        if getattr(cfg, "use_precision_aware_optimizer", False):
+            out.append("the precision-aware optimizer")
+        if math.isfinite(getattr(cfg, "grad_norm_skip_threshold", math.inf)):
+            out.append("a finite grad_norm_skip_threshold")
+        for g in inner.param_groups:
+            for key in ("amsgrad", "maximize", "differentiable"):
+                if g.get(key):
+                    out.append(f"AdamW with {key}")
+        for model_group in part.float16_groups:
+            for p in model_group:
+                if p.dtype != torch.bfloat16:
+                    out.append(f"model weights in {p.dtype}")
+                    break
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
+            out.append("main weights that are not fp32 CUDA tensors")
+    groups = getattr(__import__("megatron.core.optimizer.optimizer",
+                                fromlist=["x"]), "SEPARATE_GRAD_NORM_GROUPS", None)
+    if groups:
+        out.append("separately clipped gradient-norm groups")
+    return list(dict.fromkeys(out))
+
+
+class MixedPrecisionAdamW:
+    """Callable like megatron's ``optimizer.step()``: ``(success, grad_norm, num_zeros)``."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+        self.parts = []
+        for part in _parts(optimizer):
+            model_of = {id(main): model
+                        for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups)
+                        for model, main in zip(models, mains)}
+            self.parts.append((part, model_of, adamw.AdamWTable()))
+        self._normalize_state()
+
+    def _normalize_state(self) -> None:
+        # a checkpoint written by an unfused (CPU) run keeps each step count on the host
+        for part, _, _ in self.parts:
+            for g in part.optimizer.param_groups:
+                for p in g["params"]:
+                    st = part.optimizer.state.get(p)
+                    if st and "step" in st and (st["step"].device != p.device
+                                                or st["step"].dtype != torch.float32):
+                        st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+
+    def _tensors(self, part, model_of) -> List[adamw.AdamWTensors]:
+        inner = part.optimizer
+        out = []
+        for gi, g in enumerate(inner.param_groups):
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = inner.state[p]
+                if not st:  # what torch's fused AdamW creates on its first step
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                out.append(adamw.AdamWTensors(p, p.grad, st["exp_avg"], st["exp_avg_sq"],
+                                              st["step"], model_of.get(id(p)), gi))
+        return out
+
+    @torch.no_grad()
+    def __call__(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        opt = self.optimizer
+        if opt.prepare_grads():
+            return False, None, None
+        grad_norm = opt.get_grad_norm()
+        scale = 1.0
+        clip = self.parts[0][0].config.clip_grad
+        if clip > 0.0:
+            coeff = clip / (float(grad_norm) + 1.0e-6)  # megatron's clipping factor
+            if coeff < 1.0:
+                scale = coeff
+        num_zeros = opt.count_zeros() if opt.config.log_num_zeros_in_grad else None
+        for part, model_of, table in self.parts:
+            tensors = self._tensors(part, model_of)
+            if tensors:
+                device = tensors[0].param.device
+                adamw.multi_tensor_adamw(
+                    tensors, adamw.hyper_table(part.optimizer.param_groups, scale, device), table)
+        return True, grad_norm, num_zeros
+
+
+def mixed_precision_adamw(optimizer, enabled: bool = True
+                          ) -> Optional[Callable[[], Tuple[bool, Optional[float], Optional[float]]]]:
+    """The fused step for ``optimizer`` where it applies and ``enabled``, else None (the run
+    keeps ``optimizer.step``); the reason is logged once."""
+    if not enabled:
+        return None
+    why = obstacles(optimizer)
+    if why:
+        logger.info("optimizer step: megatron-core's (%s)", "; ".join(why))
+        return None
+    logger.info("optimizer step: clipping, AdamW and the bf16 weight copy in one kernel")
+    return MixedPrecisionAdamW(optimizer)

@@ -1,0 +1,99 @@
+"""The multi-tensor AdamW kernel (``megatron_lrattn.ops.adamw``) against ``torch.optim.AdamW``
+over several steps: two parameter groups (with and without weight decay), tensors of one
+element, under one block and over several, the clipping scale folded in, the bf16 model
+copy equal to the rounded fp32 weight, and a table that follows moments replaced between
+steps (a checkpoint load). On CPU the kernel runs under the Triton interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lrattn.ops import adamw
+from op_checks import DEVICE
+
+SIZES = (1, 7, adamw.BLOCK + 3, 2 * adamw.BLOCK)
+
+
+def _setup(seed=0, lr=3e-3):
+    gen = torch.Generator().manual_seed(seed)
+    ref = [torch.randn(n, generator=gen).to(DEVICE).requires_grad_() for n in SIZES]
+    groups = [dict(params=ref[:2], weight_decay=0.1), dict(params=ref[2:], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    ours = []
+    for i, p in enumerate(ref):
+        q = p.detach().clone()
+        ours.append(adamw.AdamWTensors(
+            param=q, grad=torch.zeros_like(q), exp_avg=torch.zeros_like(q),
+            exp_avg_sq=torch.zeros_like(q), step=torch.zeros((), device=DEVICE),
+            model=q.to(torch.bfloat16) if i % 2 == 0 else None, group=0 if i < 2 else 1))
+    return gen, ref, opt, ours
+
+
+def _step(gen, ref, opt, ours, table, scale):
+    for p, t in zip(ref, ours):
+        g = torch.randn(p.shape, generator=gen).to(DEVICE)
+        t.grad.copy_(g)
+        p.grad = g * torch.tensor(scale, dtype=torch.float32)  # megatron's in-place clipping
+    opt.step()
+    adamw.multi_tensor_adamw(ours, adamw.hyper_table(opt.param_groups, scale, DEVICE), table)
+
+
+def _compare(ref, opt, ours):
+    for i, (p, t) in enumerate(zip(ref, ours)):
+        st = opt.state[p]
+        assert float(t.step) == float(st["step"]), i
+        for name, a, b in (("param", t.param, p.detach()), ("exp_avg", t.exp_avg, st["exp_avg"]),
+                           ("exp_avg_sq", t.exp_avg_sq, st["exp_avg_sq"])):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=f"tensor {i} {name}")
+        if t.model is not None:
+            assert torch.equal(t.model, t.param.to(torch.bfloat16)), f"tensor {i} bf16 copy"
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_matches_torch_adamw(scale):
+    gen, ref, opt, ours = _setup()
+    table = adamw.AdamWTable()
+    for _ in range(4):
+        _step(gen, ref, opt, ours, table, scale)
+        _compare(ref, opt, ours)
+    assert table.programs == sum(-(-n // adamw.BLOCK) for n in SIZES)
+
+
+def test_lr_change_and_replaced_moments():
+    gen, ref, opt, ours = _setup(seed=1)
+    table = adamw.AdamWTable()
+    _step(gen, ref, opt, ours, table, 1.0)
+    before = table._tables
+    for t, p in zip(ours, ref):   # a checkpoint load: new moment tensors, same values
+        t.exp_avg = t.exp_avg.clone()
+        t.exp_avg_sq = t.exp_avg_sq.clone()
+    for g in opt.param_groups:    # the LR schedule moves
+        g["lr"] *= 0.5
+    _step(gen, ref, opt, ours, table, 1.0)
+    assert table._tables is not before
+    _compare(ref, opt, ours)
+
+
+def test_reference_matches_torch_adamw():
+    gen, ref, opt, ours = _setup(seed=2)
+    for _ in range(3):
+        for p, t in zip(ref, ours):
+            g = torch.randn(p.shape, generator=gen).to(DEVICE)
+            t.grad.copy_(g)
+            p.grad = g * torch.tensor(0.5, dtype=torch.float32)
+        opt.step()
+        adamw.adamw_reference(ours, opt.param_groups, 0.5)
+    _compare(ref, opt, ours)
+
+
+@pytest.mark.parametrize("field,bad", [("grad", torch.zeros(3, dtype=torch.bfloat16)),
+                                       ("exp_avg", torch.zeros(4)),
+                                       ("model", torch.zeros(3)),
+                                       ("step", torch.zeros(2))])
+def test_bad_tensors_name_the_field(field, bad):
+    t = adamw.AdamWTensors(param=torch.zeros(3), grad=torch.zeros(3), exp_avg=torch.zeros(3),
+                           exp_avg_sq=torch.zeros(3), step=torch.zeros(()), model=None, group=0)
+    setattr(t, field, bad.to(DEVICE))
+    t.param = t.param.to(DEVICE)
+    with pytest.raises(ValueError, match=f"tensor 0 {field}"):
+        adamw.AdamWTable().tables([t], torch.device(DEVICE))

@@ -1,0 +1,150 @@
+"""``MixedPrecisionAdamW`` (``megatron_lrattn.training.optimizer_step``) against megatron-core's
+own mixed-precision step: the tiny preset in bf16 under Float16Module and megatron's DDP,
+trained the same way on both paths, with the clipping active and not; losses, gradient
+norms, fp32 main weights, moments, step counts and the bf16 model weights after every step,
+and a state dict of the same layout. Where it does not apply the reasons are named. On CPU
+the kernel runs under the Triton interpreter."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from helpers import model_parallel_1x1
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def mp():
+    with model_parallel_1x1():
+        yield
+
+
+def _build(extra=(), bf16=True):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_lrattn.training.arguments import parse_args
+    from megatron_lrattn.training.builder import (build_config, build_model, build_optimizer,
+                                                  wrap_model)
+
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(7)
+    argv = ["--preset", "tiny", "--residual", "lr_attnres", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "0",
+            "--lr", "3e-3", "--weight-decay", "0.1", *extra] + (["--bf16"] if bf16 else [])
+    args = parse_args(argv)
+    config = build_config(args, bf16=bf16)
+    ddp = wrap_model(build_model(config, args, VOCAB), config, args)
+    optimizer, scheduler = build_optimizer([ddp], config, args)
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
+    if bf16 and type(inner) is not torch.optim.AdamW:
+        pytest.skip(f"megatron-core uses {type(inner).__name__} here (TE or Apex installed): "
+                    "the fused step applies to torch's AdamW")
+    return ddp, optimizer, scheduler
+
+
+def _inner(optimizer):
+    return optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") \
+        else optimizer
+
+
+def _snapshot(optimizer, grad_norm):
+    inner = _inner(optimizer)
+    mains = [p for g in inner.fp32_from_float16_groups for p in g]
+    return dict(
+        grad_norm=float(grad_norm),
+        model=[p.detach().clone() for g in inner.float16_groups for p in g],
+        main=[p.detach().clone() for p in mains],
+        state={k: [inner.optimizer.state[p][k].detach().clone() for p in mains]
+               for k in ("exp_avg", "exp_avg_sq", "step")})
+
+
+def _train_pair(clip: float, steps: int = 3):
+    """Both paths from the same weights; each step, ours gets the reference's gradients
+    (the bf16 forward would otherwise amplify last-bit differences of the weights)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
+    from megatron_lrattn.training.step import loss_func
+
+    pairs = [_build(["--clip-grad", str(clip)]) for _ in range(2)]
+    (ddp_ours, opt_ours, sched_ours), (ddp_ref, opt_ref, sched_ref) = pairs
+    ours_step = MixedPrecisionAdamW(opt_ours)
+    gb = torch.Generator().manual_seed(11)
+    dev = next(ddp_ref.parameters()).device
+
+    def step_fn(it, m):
+        b = next(it)
+        pos = torch.arange(32, device=dev).expand(2, 32).contiguous()
+        return m(b[0], pos, None, labels=b[1]), partial(loss_func, torch.ones(2, 32, device=dev))
+
+    history = []
+    for _ in range(steps):
+        batch = [torch.randint(0, VOCAB, (2, 32), generator=gb).to(dev) for _ in range(2)]
+        losses = []
+        for ddp, opt in ((ddp_ref, opt_ref), (ddp_ours, opt_ours)):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            out = get_forward_backward_func()(
+                forward_step_func=step_fn, data_iterator=iter([batch]), model=[ddp],
+                forward_only=False, num_microbatches=1, seq_length=32, micro_batch_size=2,
+                decoder_seq_length=32)
+            losses.append(float(out[0]["lm loss"]))
+        for a, b in zip(ddp_ours.buffers, ddp_ref.buffers):
+            a.grad_data.copy_(b.grad_data)
+        ok_ref, norm_ref, _ = opt_ref.step()
+        ok_ours, norm_ours, _ = ours_step()
+        assert ok_ref and ok_ours
+        sched_ref.step(increment=1)
+        sched_ours.step(increment=1)
+        history.append((losses, _snapshot(opt_ours, norm_ours), _snapshot(opt_ref, norm_ref)))
+    return history, opt_ours, opt_ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [1e-3, 1.0e6], ids=["clipped", "unclipped"])
+def test_matches_megatrons_step(mp, clip):
+    history, opt_ours, opt_ref = _train_pair(clip)
+    for i, (losses, a, b) in enumerate(history):
+        assert losses[0] == pytest.approx(losses[1], rel=1e-3), (i, losses)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), i
+        for x, y in zip(a["main"], b["main"]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        for k in ("exp_avg", "exp_avg_sq"):
+            for j, (x, y) in enumerate(zip(a["state"][k], b["state"][k])):
+                # relative to the tensor's largest value: a moment near zero after
+                # cancelling updates keeps only the rounding of the larger terms
+                err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+                assert err <= 1e-5, (i, k, j, err)
+        assert all(float(x) == float(y) == i + 1
+                   for x, y in zip(a["state"]["step"], b["state"]["step"]))
+        # the bf16 model weights are the main weights rounded, as megatron's copy makes them
+        assert all(torch.equal(m, w.to(torch.bfloat16)) for m, w in zip(a["model"], a["main"]))
+    if clip < 1.0:  # the clipping acted
+        assert history[0][1]["grad_norm"] > 10 * clip
+    sd_ours, sd_ref = opt_ours.state_dict(), opt_ref.state_dict()
+
+    def layout(sd):
+        if isinstance(sd, dict):
+            return {k: layout(v) for k, v in sd.items() if k != "param_groups"}
+        if isinstance(sd, (list, tuple)):
+            return [layout(v) for v in sd]
+        return (tuple(sd.shape), sd.dtype, str(sd.device)) if torch.is_tensor(sd) else type(sd)
+
+    assert layout(sd_ours) == layout(sd_ref)
+
+
+def test_where_it_does_not_apply_the_reasons_are_named(mp):
+    from megatron_lrattn.training.optimizer_step import mixed_precision_adamw, obstacles
+
+    _, optimizer, _ = _build()
+    why = obstacles(optimizer)
+    if not torch.cuda.is_available():
+        assert why == ["main weights that are not fp32 CUDA tensors"]
+        assert mixed_precision_adamw(optimizer) is None
+    assert mixed_precision_adamw(optimizer, enabled=False) is None
+    _, fp32_opt, _ = _build(bf16=False)
+    assert any("is not megatron's Float16OptimizerWithFloat16Params" in w
+               for w in obstacles(fp32_opt))
