@@ -166,7 +166,8 @@ def hyper_table(groups: Sequence[dict], grad_scale: float, device: torch.device)
 
 
 def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
-                       table: Optional[AdamWTable] = None) -> None:
+                       table: Optional[AdamWTable] = None,
+                       tables: Optional[Tuple[Tensor, ...]] = None) -> None:
     """One AdamW step of every tensor in place (the step scalars are incremented first, as
     torch does), writing the bf16 model weights where given.
 
@@ -174,12 +175,14 @@ def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
         tensors: the parameters; ``group`` indexes a row of ``hyper``.
         hyper: ``hyper_table(...)``.
         table: a table kept between steps (built here when None).
+        tables: ``table.tables(tensors, device)`` already computed for these tensors (the
+            optimizer step computes them before it waits for the gradient norm).
     """
     if not tensors:
         return
-    device = tensors[0].param.device
     table = table or AdamWTable()
-    tables = table.tables(tensors, device)
+    if tables is None:
+        tables = table.tables(tensors, tensors[0].param.device)
     torch._foreach_add_([t.step for t in tensors], 1.0)
     adamw_kernel[(table.programs,)](*tables, hyper, BLOCK=BLOCK, HYPER_COLUMNS=HYPER_COLUMNS,
                                     num_warps=WARPS)

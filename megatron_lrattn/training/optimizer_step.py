@@ -120,6 +120,14 @@ class MixedPrecisionAdamW:
         opt = self.optimizer
         if opt.prepare_grads():
             return False, None, None
+        # the host's share first, while the GPU may still run the backward: the norm's
+        # read waits for it
+        launches = []
+        for part, model_of, table in self.parts:
+            tensors = self._tensors(part, model_of)
+            if tensors:
+                launches.append((part, tensors, table,
+                                 table.tables(tensors, tensors[0].param.device)))
         grad_norm = opt.get_grad_norm()
         scale = 1.0
         clip = self.parts[0][0].config.clip_grad
@@ -128,12 +136,9 @@ class MixedPrecisionAdamW:
             if coeff < 1.0:
                 scale = coeff
         num_zeros = opt.count_zeros() if opt.config.log_num_zeros_in_grad else None
-        for part, model_of, table in self.parts:
-            tensors = self._tensors(part, model_of)
-            if tensors:
-                device = tensors[0].param.device
-                adamw.multi_tensor_adamw(
-                    tensors, adamw.hyper_table(part.optimizer.param_groups, scale, device), table)
+        for part, tensors, table, tables in launches:
+            hyper = adamw.hyper_table(part.optimizer.param_groups, scale, tensors[0].param.device)
+            adamw.multi_tensor_adamw(tensors, hyper, table, tables)
         return True, grad_norm, num_zeros
 
 
