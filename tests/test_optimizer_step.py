@@ -141,10 +141,15 @@ def test_where_it_does_not_apply_the_reasons_are_named(mp):
 
     _, optimizer, _ = _build()
     why = obstacles(optimizer)
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # the training configuration on a GPU: it applies
+        assert why == [], why
+    else:
         assert why == ["main weights that are not fp32 CUDA tensors"]
         assert mixed_precision_adamw(optimizer) is None
     assert mixed_precision_adamw(optimizer, enabled=False) is None
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    inner.float16_groups[0][0].grad_norm_group = "mtp"
+    assert "parameters in a separately clipped gradient-norm group" in obstacles(optimizer)
     _, fp32_opt, _ = _build(bf16=False)
     assert any("is not megatron's Float16OptimizerWithFloat16Params" in w
                for w in obstacles(fp32_opt))

@@ -69,10 +69,11 @@ def obstacles(optimizer) -> List[str]:
         params = [p for g in inner.param_groups for p in g["params"]]
         if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
             out.append("main weights that are not fp32 CUDA tensors")
-    groups = getattr(__import__("megatron.core.optimizer.optimizer",
-                                fromlist=["x"]), "SEPARATE_GRAD_NORM_GROUPS", None)
-    if groups:
-        out.append("separately clipped gradient-norm groups")
+        # megatron-core >= 0.19 clips parameters tagged with a grad-norm group (MTP's) by
+        # their own norm
+        models = [p for g in part.float16_groups for p in g]
+        if any(getattr(p, "grad_norm_group", None) is not None for p in params + models):
+            out.append("parameters in a separately clipped gradient-norm group")
     return list(dict.fromkeys(out))
 
 
