@@ -37,11 +37,11 @@ BAD = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, new_cache):
     """Bad-input runs (started first, they need no data), then a 2-step training run and
     the analysis of its checkpoint."""
     work = tmp_path_factory.mktemp("analyze")
-    cache = work / "cache"
+    cache = new_cache(work / "cache")
     (work / "empty").mkdir()
     bad = {}
     for name, (args, _) in BAD.items():

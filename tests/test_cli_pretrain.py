@@ -22,8 +22,8 @@ SMALL = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("lrattn_cache")
+def cache_dir(tmp_path_factory, new_cache):
+    return new_cache(tmp_path_factory.mktemp("lrattn_cache"))
 
 
 def _start(args, cache_dir, cwd):

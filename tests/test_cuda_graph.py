@@ -125,8 +125,8 @@ SMALL = ["--preset", "tiny", "--seq-length", "128", "--hidden-size", "128", "--n
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("lrattn_cache")
+def cache_dir(tmp_path_factory, new_cache):
+    return new_cache(tmp_path_factory.mktemp("lrattn_cache"))
 
 
 def _losses(tmp_path, cache_dir, name, extra):

@@ -51,8 +51,8 @@ def test_flatten_keeps_numbers():
 
 
 @pytest.mark.slow
-def test_scores_during_training_and_after_the_last_iteration(tmp_path):
-    metrics = tmp_path / "m.jsonl"
+def test_scores_during_training_and_after_the_last_iteration(tmp_path, new_cache):
+    metrics, cache = tmp_path / "m.jsonl", new_cache(tmp_path / "cache")
     r = subprocess.run(
         [sys.executable, "-m", "megatron_lrattn.cli.pretrain", "--preset", "tiny",
          "--seq-length", "64", "--hidden-size", "64", "--num-layers", "2", "--num-blocks", "4",
@@ -60,8 +60,8 @@ def test_scores_during_training_and_after_the_last_iteration(tmp_path):
          "--train-iters", "5", "--eval-interval", "5", "--eval-iters", "1",
          "--lr-warmup-iters", "1", "--no-progress", "--downstream-eval-interval", "2",
          "--downstream-eval-limit", "8", "--log-json", str(metrics),
-         "--cache-dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, env=cli_env(tmp_path / "cache"), timeout=900)
+         "--cache-dir", str(cache)],
+        capture_output=True, text=True, env=cli_env(cache), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     down = [x for x in rows if x.get("type") == "downstream"]

@@ -38,12 +38,8 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    from megatron_lrattn.data.default_corpus import ensure_default_data
-
-    cache = Path(os.environ.get("LRATTN_TEST_CACHE", tmp_path_factory.mktemp("hf_cache")))
-    ensure_default_data(cache_dir=cache)
-    return cache
+def cache_dir(tmp_path_factory, new_cache):
+    return new_cache(tmp_path_factory.mktemp("hf_cache"))
 
 
 @pytest.fixture(scope="module")

@@ -260,12 +260,8 @@ def _one_line(rc, out, err, code=2):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from megatron_lrattn.data.default_corpus import ensure_default_data
-
-    cache = tmp_path_factory.mktemp("cache")
-    ensure_default_data(cache_dir=str(cache))
-    return cache
+def cache(tmp_path_factory, new_cache):
+    return new_cache(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")

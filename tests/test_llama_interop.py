@@ -257,12 +257,12 @@ def _valid(metrics):
 
 
 @pytest.mark.slow
-def test_llama_export_then_import_finetunes_from_the_same_loss(tmp_path):
+def test_llama_export_then_import_finetunes_from_the_same_loss(tmp_path, new_cache):
     """A trained standard checkpoint, exported as a Llama and imported back, trains 20 steps
     with --finetune starting from the loss the original had (fp32, CPU)."""
     import json
 
-    cache = tmp_path / "cache"
+    cache = new_cache(tmp_path / "cache")
     _cli("megatron_lrattn.cli.pretrain", *MODEL, "--train-iters", "8", "--eval-interval", "4",
          "--save", str(tmp_path / "a"), "--log-json", str(tmp_path / "a.jsonl"), cache=cache)
     trained = _valid(tmp_path / "a.jsonl")[-1]

@@ -79,10 +79,10 @@ def test_large_files_are_checked_in_windows(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_vocabulary_mismatch_is_one_line_exit_2(tmp_path):
+def test_cli_vocabulary_mismatch_is_one_line_exit_2(tmp_path, new_cache):
     from megatron_lrattn.data.default_corpus import ensure_default_data
 
-    default = ensure_default_data()
+    default = ensure_default_data(cache_dir=new_cache(tmp_path / "cache"))
     prefix = _write(tmp_path / "wide", [[5000, 1, 2, 3] * 40] * 8)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_lrattn.cli.pretrain", "--data-path", prefix,

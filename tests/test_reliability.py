@@ -86,12 +86,8 @@ def _dcp_tensors(ckpt: Path, out: Path):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("lrattn_cache")
-    from megatron_lrattn.data.default_corpus import ensure_default_data
-
-    ensure_default_data(cache_dir=str(cache))
-    return cache
+def cache_dir(tmp_path_factory, new_cache):
+    return new_cache(tmp_path_factory.mktemp("lrattn_cache"))
 
 
 @pytest.fixture(scope="module")

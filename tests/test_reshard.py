@@ -6,7 +6,6 @@ same held-out batches the saving run evaluated last.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +45,8 @@ def _valid(path: Path):
 
 
 @pytest.mark.parametrize("save_layout, load_layout", [((2, 2), (1, 1)), ((1, 1), (2, 2))])
-def test_checkpoint_loads_in_another_layout(tmp_path, save_layout, load_layout):
-    cache = Path(os.environ.get("LRATTN_TEST_CACHE", tmp_path / "cache"))
+def test_checkpoint_loads_in_another_layout(tmp_path, new_cache, save_layout, load_layout):
+    cache = new_cache(tmp_path / "cache")
     ckpt = tmp_path / "ckpt"
     _run(["--save", str(ckpt), "--log-json", str(tmp_path / "save.jsonl")], *save_layout,
          cache, tmp_path)

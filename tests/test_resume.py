@@ -32,8 +32,9 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("lrattn_cache")
+def cache_dir(tmp_path_factory, new_cache):
+    """Holds the default data already: the three runs below never race to build it."""
+    return new_cache(tmp_path_factory.mktemp("lrattn_cache"))
 
 
 def _torchrun(args, cache_dir, log):
@@ -66,10 +67,6 @@ def _latest(ckpt: Path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     work = tmp_path_factory.mktemp("resume")
-    # Build the embedded corpus and its indices once, before three runs race for them.
-    from megatron_lrattn.data.default_corpus import ensure_default_data
-
-    ensure_default_data(cache_dir=str(cache_dir))
     ref_ckpt, kill_ckpt, term_ckpt = work / "ref", work / "kill", work / "term"
     ref = _torchrun(["--save", str(ref_ckpt), "--save-interval", "2", "--keep-last", "2",
                      "--async-save"], cache_dir, work / "ref.jsonl")
