@@ -16,6 +16,7 @@ longer to build than a tiny training run: it is built once per session and every
 folder a test hands to the CLIs starts as a copy of it (``new_cache``). One-process runs that
 several modules compare against are run once per session too (``pretrain_once``).
 """
+import copy
 import os
 import shutil
 import signal
@@ -64,3 +65,24 @@ def data_cache(tmp_path_factory, new_cache):
     (shared across runs), else one folder per test module."""
     env = os.environ.get("LRATTN_CACHE")
     return Path(env) if env else new_cache(tmp_path_factory.mktemp("lrattn_cache"))
+
+
+@pytest.fixture(scope="session")
+def pretrain_once(tmp_path_factory, new_cache):
+    """``pretrain_once(nproc, argv)``: the metrics records of ``helpers.pretrain_rows(nproc,
+    argv, ...)``, run once per session for each ``(nproc, argv)`` (an ``argv`` that writes no
+    files besides the metrics) and shared by every test that asks for the same run; each call
+    returns its own copy."""
+    from helpers import pretrain_rows
+
+    runs = {}
+
+    def get(nproc: int, argv) -> list:
+        key = (nproc, tuple(argv))
+        if key not in runs:
+            work = tmp_path_factory.mktemp("pretrain_once")
+            runs[key] = pretrain_rows(nproc, argv, work / "metrics.jsonl",
+                                      new_cache(work / "cache"))
+        return copy.deepcopy(runs[key])
+
+    return get

@@ -149,16 +149,10 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, data_cache):
-    runs = {}
-
-    def get(model) -> list:
-        if tuple(model) not in runs:
-            log = tmp_path_factory.mktemp("ref") / "ref.jsonl"
-            runs[tuple(model)] = _losses(pretrain_rows(1, CLI + list(model), log, data_cache))
-        return runs[tuple(model)]
-
-    return get
+def one_process(pretrain_once):
+    """One-process runs, computed once per model (and shared with test_seed_layouts, which
+    runs the same command)."""
+    return lambda model: _losses(pretrain_once(1, CLI + list(model)))
 
 
 def _losses(rows) -> list:
