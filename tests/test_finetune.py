@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from argparse import Namespace
@@ -128,13 +129,30 @@ def _cosine(step: int, warmup: int, decay: int, lr=3e-3, min_lr=3e-4) -> float:
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * ratio))
 
 
-@pytest.mark.slow
-def test_weights_only_checkpoint_trains_with_finetune(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("lrattn_cache")
-    work = tmp_path_factory.mktemp("finetune")
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, new_cache):
+    return new_cache(tmp_path_factory.mktemp("lrattn_cache"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache):
+    """A folder with a 4-iteration run: checkpoint ``A``, metrics ``a.jsonl`` (relative
+    paths, so a copy of the folder works alike); tests work on their own copies."""
+    work = tmp_path_factory.mktemp("trained")
     rc, out, err = _run([*SMALL, "--train-iters", "4", "--save", "A", "--log-json", "a.jsonl"],
                         cache, work)
     assert rc == 0, err[-3000:]
+    return work
+
+
+def _copy(trained: Path, work: Path) -> Path:
+    shutil.copytree(trained, work, dirs_exist_ok=True)
+    return work
+
+
+@pytest.mark.slow
+def test_weights_only_checkpoint_trains_with_finetune(tmp_path_factory, cache, trained):
+    work = _copy(trained, tmp_path_factory.mktemp("finetune"))
     source_final = _records(work / "a.jsonl", "valid")[-1]["loss"]
     for module, argv in (("megatron_lrattn.cli.convert_hf", ["A", "hf"]),
                          ("megatron_lrattn.cli.convert_megatron", ["hf", "W"])):
@@ -178,12 +196,10 @@ def test_weights_only_checkpoint_trains_with_finetune(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_resume_with_more_iterations_and_override_uses_the_new_schedule(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("lrattn_cache")
-    work = tmp_path_factory.mktemp("override")
+def test_resume_with_more_iterations_and_override_uses_the_new_schedule(tmp_path_factory, cache,
+                                                                        trained):
+    work = _copy(trained, tmp_path_factory.mktemp("override"))
     base = [*SMALL, "--save", "A", "--log-json", "a.jsonl"]
-    rc, out, err = _run([*base, "--train-iters", "4"], cache, work)
-    assert rc == 0, err[-3000:]
     # Megatron's default: a schedule that differs from the checkpoint's is refused.
     rc, out, err = _run([*base, "--train-iters", "8", "--load", "A"], cache, work)
     assert rc == 2, err[-3000:]
@@ -202,12 +218,12 @@ def test_resume_with_more_iterations_and_override_uses_the_new_schedule(tmp_path
 
 
 @pytest.mark.slow
-def test_no_load_optim_keeps_weights_and_progress_with_a_fresh_optimizer(tmp_path_factory):
+def test_no_load_optim_keeps_weights_and_progress_with_a_fresh_optimizer(tmp_path_factory,
+                                                                         cache):
     """``--no-load-optim``: iteration and data position continue and the first resumed loss
     (the forward on the loaded weights) equals a full resume's; the Adam state and the LR
     schedule start afresh (Megatron saves the schedule with the optimizer), so the next
     step differs from the full resume's."""
-    cache = tmp_path_factory.mktemp("lrattn_cache")
     work = tmp_path_factory.mktemp("no_load_optim")
     rc, out, err = _run([*SMALL, "--train-iters", "4", "--save", "A", "--save-interval", "2",
                          "--exit-interval", "2"], cache, work)
@@ -229,10 +245,9 @@ def test_no_load_optim_keeps_weights_and_progress_with_a_fresh_optimizer(tmp_pat
 
 
 @pytest.mark.slow
-def test_sample_based_schedule_trains_the_resolved_iterations(tmp_path_factory):
+def test_sample_based_schedule_trains_the_resolved_iterations(tmp_path_factory, cache):
     """``--train-samples 16 --lr-warmup-samples 4 --lr-decay-samples 12`` at global batch 4
     trains 4 iterations with 1 warm-up iteration and a cosine decay over 3."""
-    cache = tmp_path_factory.mktemp("lrattn_cache")
     work = tmp_path_factory.mktemp("samples")
     argv = SMALL[:SMALL.index("--lr-warmup-iters")] + ["--no-progress"]
     rc, out, err = _run([*argv, "--train-samples", "16", "--lr-warmup-samples", "4",
