@@ -282,8 +282,18 @@ def _copy(base: Path, tmp_path: Path, name: str) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def exported(base, cache, tmp_path_factory):
+    """``base``'s last checkpoint converted by ``lrattn-convert-hf``; tests read copies."""
+    hf = tmp_path_factory.mktemp("exported") / "hf"
+    rc, _, err = finish(_start("convert_hf", [str(base / "ckpt"), str(hf)], cache, hf.parent,
+                               pretrain=False))
+    assert rc == 0, err[-3000:]
+    return hf
+
+
 @pytest.mark.slow
-def test_cli_refusals_of_a_trained_folder(base, cache, tmp_path):
+def test_cli_refusals_of_a_trained_folder(base, exported, cache, tmp_path):
     """Fresh run over checkpoints, a pickle payload under --load, other data, a conversion
     into the training folder: each one line, exit 2, the folder unchanged, no code run."""
     marker = tmp_path / "PWNED"
@@ -292,10 +302,7 @@ def test_cli_refusals_of_a_trained_folder(base, cache, tmp_path):
     md = hostile / "iter_0000002" / ".metadata"
     md.write_bytes(pickle.dumps(_Payload(marker)) + md.read_bytes())
     before = {p: _digest(p) for p in (fresh, hostile, other, conv)}
-    hf = tmp_path / "hf"
-    rc, _, err = finish(_start("convert_hf", [str(base / "ckpt"), str(hf)], cache, tmp_path,
-                               pretrain=False))
-    assert rc == 0, err[-3000:]
+    hf = shutil.copytree(exported, tmp_path / "hf")
     procs = {
         "fresh": _start("pretrain", ["--train-iters", "2", "--save", str(fresh)], cache, tmp_path),
         "pretrain-payload": _start("pretrain", ["--train-iters", "2", "--load", str(hostile)],
@@ -386,12 +393,9 @@ def test_second_writer_refused_and_ctrl_c_saves_and_finalizes_the_async_saves(ca
 
 
 @pytest.mark.slow
-def test_converters_on_a_full_disk_leave_nothing(base, cache, tmp_path):
+def test_converters_on_a_full_disk_leave_nothing(base, exported, cache, tmp_path):
     with tmpfs(tmp_path / "disk", "1m") as disk:
-        hf = tmp_path / "hf"
-        rc, _, err = finish(_start("convert_hf", [str(base / "ckpt"), str(hf)], cache, tmp_path,
-                                   pretrain=False))
-        assert rc == 0, err[-3000:]
+        hf = shutil.copytree(exported, tmp_path / "hf")
         procs = {"hf": _start("convert_hf", [str(base / "ckpt"), str(disk / "hf")], cache,
                               tmp_path, pretrain=False),
                  "megatron": _start("convert_megatron", [str(hf), str(disk / "meg")], cache,
