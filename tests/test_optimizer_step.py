@@ -153,3 +153,44 @@ def test_where_it_does_not_apply_the_reasons_are_named(mp):
     _, fp32_opt, _ = _build(bf16=False)
     assert any("is not megatron's Float16OptimizerWithFloat16Params" in w
                for w in obstacles(fp32_opt))
+
+
+@pytest.mark.slow
+def test_continues_from_a_loaded_state_dict(mp):
+    """Two steps, the optimizer's state dict loaded into a fresh model and optimizer, one
+    more step on each with the same gradients: the loaded one continues exactly."""
+    import copy
+
+    from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
+
+    (ddp_a, opt_a, _), (ddp_b, opt_b, _) = _build(), _build(["--seed", "99"])
+    step_a = MixedPrecisionAdamW(opt_a)
+    gen = torch.Generator().manual_seed(3)
+
+    def fill(ddp, grads=None):
+        ddp.zero_grad_buffer()
+        for i, buf in enumerate(ddp.buffers):
+            buf.grad_data.copy_(grads[i] if grads else torch.randn(
+                buf.grad_data.shape, generator=gen).to(buf.grad_data.device) * 1e-2)
+        return [buf.grad_data.clone() for buf in ddp.buffers]
+
+    for _ in range(2):
+        opt_a.zero_grad()
+        fill(ddp_a)
+        assert step_a()[0]
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    step_b = MixedPrecisionAdamW(opt_b)  # what the loop builds after a load
+    grads = fill(ddp_a)
+    fill(ddp_b, grads)
+    assert step_a()[0] and step_b()[0]
+    a, b = _inner(opt_a), _inner(opt_b)
+    for ga, gb in zip(a.fp32_from_float16_groups, b.fp32_from_float16_groups):
+        for x, y in zip(ga, gb):
+            assert torch.equal(x, y)
+    for ma, mb in zip(a.float16_groups, b.float16_groups):
+        for x, y in zip(ma, mb):
+            assert torch.equal(x, y)
+    for p, q in zip([p for g in a.fp32_from_float16_groups for p in g],
+                    [p for g in b.fp32_from_float16_groups for p in g]):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a.optimizer.state[p][k], b.optimizer.state[q][k]), k

@@ -108,10 +108,10 @@ class MixedPrecisionAdamW:
                 if p.grad is None:
                     continue
                 st = inner.state[p]
-                if not st:  # what torch's fused AdamW creates on its first step
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if len(st) < 3:  # what torch's fused AdamW creates on its first step
+                    st.setdefault("step", torch.zeros((), dtype=torch.float32, device=p.device))
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        st.setdefault(key, torch.zeros_like(p, memory_format=torch.preserve_format))
                 out.append(adamw.AdamWTensors(p, p.grad, st["exp_avg"], st["exp_avg_sq"],
                                               st["step"], model_of.get(id(p)), gi))
         return out
