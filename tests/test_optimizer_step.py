@@ -106,6 +106,20 @@ def _train_pair(clip: float, steps: int = 3):
 @pytest.mark.slow
 @pytest.mark.parametrize("clip", [1e-3, 1.0e6], ids=["clipped", "unclipped"])
 def test_matches_megatrons_step(mp, clip):
+    _check_against_megatron(clip)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on CUDA tensors "
+                    "(GPU box; on CPU the interpreter runs the same comparison above)")
+def test_matches_megatrons_step_on_the_gpu(mp):
+    from megatron_lrattn.training.optimizer_step import obstacles
+
+    assert obstacles(_build()[1]) == []
+    _check_against_megatron(1e-3)
+
+
+def _check_against_megatron(clip: float):
     history, opt_ours, opt_ref = _train_pair(clip)
     for i, (losses, a, b) in enumerate(history):
         assert losses[0] == pytest.approx(losses[1], rel=1e-3), (i, losses)
