@@ -208,3 +208,14 @@ def test_continues_from_a_loaded_state_dict(mp):
                     [p for g in b.fp32_from_float16_groups for p in g]):
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(a.optimizer.state[p][k], b.optimizer.state[q][k]), k
+
+
+def test_the_flag():
+    from megatron_lrattn.training.arguments import parse_args
+    from megatron_lrattn.training.fusions import fused_optimizer_step
+
+    base = ["--preset", "tiny"]
+    assert not fused_optimizer_step(parse_args(base))
+    assert fused_optimizer_step(parse_args(base + ["--fused-optimizer-step"]))
+    assert not fused_optimizer_step(parse_args(base + ["--fused-optimizer-step",
+                                                       "--no-fused-adamw"]))

@@ -15,9 +15,9 @@ native`` keeps megatron-core's compiled one. The training
 step also adds weight gradients to megatron's fp32 gradient buffer inside the GEMM
 (megatron-core's gradient-accumulation fusion, ``megatron_lrattn.compat.wgrad_fusion``;
 ``--no-gradient-accumulation-fusion``).
-After the gradient norm, the clipping, AdamW and the copy of the main weights into the bf16
-model weights run as one kernel where megatron-core's optimizer allows it
-(``megatron_lrattn.training.optimizer_step``; off with ``--no-fused-adamw``).
+``--fused-optimizer-step`` runs the clipping, AdamW and the copy of the main weights into the
+bf16 model weights as one kernel after the gradient norm, where megatron-core's optimizer
+allows it (``megatron_lrattn.training.optimizer_step``).
 ``--cuda-graph-impl full_iteration`` replays the step's forward and backward as one CUDA
 graph (``megatron_lrattn.training.cuda_graph``).
 """
@@ -61,8 +61,13 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
                         "megatron_lrattn.compat.wgrad_fusion where Apex is absent)")
     g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
                    help="keep torch's multi-tensor AdamW when megatron-core falls back to it "
-                        "(default: torch's fused AdamW, and without --use-distributed-optimizer "
-                        "the clipping, AdamW and the bf16 weight copy as one Triton kernel)")
+                        "(default: torch's fused AdamW)")
+    g.add_argument("--fused-optimizer-step", action="store_true",
+                   help="after the gradient norm, run the clipping, AdamW and the copy into "
+                        "the bf16 model weights as one Triton kernel where megatron-core's "
+                        "optimizer is its Float16OptimizerWithFloat16Params around torch's "
+                        "AdamW (CUDA, bf16, without --use-distributed-optimizer; the log says "
+                        "why not otherwise; default: off, megatron-core's step)")
     add_cuda_graph_args(g)
 
 
@@ -91,6 +96,13 @@ def gradient_accumulation_fusion(args: argparse.Namespace, cuda: bool) -> bool:
     ``--no-gradient-accumulation-fusion``. Only for a model wrapped in megatron's DDP (the
     fused backward writes ``main_grad``), so not part of ``fusion_config``."""
     return bool(cuda and getattr(args, "gradient_accumulation_fusion", True))
+
+
+def fused_optimizer_step(args: argparse.Namespace) -> bool:
+    """Whether the run asks for the one-kernel optimizer step (``--fused-optimizer-step``,
+    and not ``--no-fused-adamw``)."""
+    return bool(getattr(args, "fused_optimizer_step", False)
+                and getattr(args, "fused_adamw", True))
 
 
 def use_fused_adamw(optimizer, enabled: bool = True) -> int:

@@ -32,7 +32,7 @@ from megatron_lrattn.training.checkpoint_io import (
 )
 from megatron_lrattn.training.checkpointer import Checkpointer
 from megatron_lrattn.training.determinism import enable_deterministic
-from megatron_lrattn.training.fusions import use_fused_adamw
+from megatron_lrattn.training.fusions import fused_optimizer_step, use_fused_adamw
 from megatron_lrattn.training.optimizer_step import mixed_precision_adamw
 from megatron_lrattn.training.resume import describe as describe_start
 from megatron_lrattn.training.resume import load_weights, refuse_weights_only, start_point
@@ -276,7 +276,7 @@ def _pretrain(args: argparse.Namespace, runtime: Optional[Runtime], started: flo
         meta = load_checkpoint(start.path, models, optimizer, scheduler, config, records)
         use_fused_adamw(optimizer, args.fused_adamw)  # not the saved run's setting
         # the loaded moments and step counts on this run's optimizer-step path
-        step.optimizer_step = mixed_precision_adamw(optimizer, args.fused_adamw)
+        step.optimizer_step = mixed_precision_adamw(optimizer, fused_optimizer_step(args))
         iteration, consumed = meta["iteration"], meta["consumed_samples"]
     resumed = iteration if start.keep_progress else None
     logger.info(describe_start(start, args))

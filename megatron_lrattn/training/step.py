@@ -25,7 +25,8 @@ from megatron_lrattn.model.config import LRAttnResConfig
 from megatron_lrattn.training import faults
 from megatron_lrattn.training.arg_types import ArgumentError
 from megatron_lrattn.training.cuda_graph import StepGraph, use_capture_stream
-from megatron_lrattn.training.fusions import cuda_graph_impl, gradient_accumulation_fusion
+from megatron_lrattn.training.fusions import (cuda_graph_impl, fused_optimizer_step,
+                                              gradient_accumulation_fusion)
 from megatron_lrattn.training.builder import (
     build_config,
     build_model_chunks,
@@ -308,7 +309,7 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
         step_kwargs["adjust_tensor_shapes_fn"] = shapes_fn
     step = TrainStep(config, models, optimizer, scheduler, num_params, step_kwargs,
                      partial(forward_step, device), args.on_nonfinite)
-    step.optimizer_step = mixed_precision_adamw(optimizer, getattr(args, "fused_adamw", True))
+    step.optimizer_step = mixed_precision_adamw(optimizer, fused_optimizer_step(args))
     if graph:
         step.graph = StepGraph(step._forward_backward, num_micro, device,
                                args.cuda_graph_warmup_steps)
