@@ -130,14 +130,14 @@ class MixedPrecisionAdamW:
                 launches.append((part, tensors, table,
                                  table.tables(tensors, tensors[0].param.device)))
         grad_norm = opt.get_grad_norm()
-        scale = 1.0
-        clip = self.parts[0][0].config.clip_grad
-        if clip > 0.0:
-            coeff = clip / (float(grad_norm) + 1.0e-6)  # megatron's clipping factor
-            if coeff < 1.0:
-                scale = coeff
         num_zeros = opt.count_zeros() if opt.config.log_num_zeros_in_grad else None
         for part, tensors, table, tables in launches:
+            scale = 1.0
+            clip = part.config.clip_grad  # each optimizer's own, with the global norm
+            if clip > 0.0:
+                coeff = clip / (float(grad_norm) + 1.0e-6)  # megatron's clipping factor
+                if coeff < 1.0:
+                    scale = coeff
             hyper = adamw.hyper_table(part.optimizer.param_groups, scale, tensors[0].param.device)
             adamw.multi_tensor_adamw(tensors, hyper, table, tables)
         return True, grad_norm, num_zeros
