@@ -106,7 +106,12 @@ class AdamWTensors:
     group: int
 
 
-def _check(t: AdamWTensors, i: int) -> None:
+def _check(t: AdamWTensors, i: int, device: torch.device) -> None:
+    for name in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "model"):
+        x = getattr(t, name)
+        if x is not None and x.device != torch.device(device):
+            raise ValueError(f"multi_tensor_adamw: tensor {i} {name}: on {x.device}, the "
+                             f"kernel runs on {device}")
     for name in ("param", "grad", "exp_avg", "exp_avg_sq"):
         x = getattr(t, name)
         if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() != t.param.numel():
@@ -139,7 +144,7 @@ class AdamWTable:
                     for t in tensors)
         if key != self._key:
             for i, t in enumerate(tensors):
-                _check(t, i)
+                _check(t, i, device)
             chunk_tensor: List[int] = []
             chunk_start: List[int] = []
             for i, t in enumerate(tensors):

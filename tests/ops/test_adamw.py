@@ -86,6 +86,13 @@ def test_reference_matches_torch_adamw():
     _compare(ref, opt, ours)
 
 
+def test_a_tensor_on_another_device_is_refused():
+    t = adamw.AdamWTensors(param=torch.zeros(3), grad=torch.zeros(3), exp_avg=torch.zeros(3),
+                           exp_avg_sq=torch.zeros(3), step=torch.zeros(()), model=None, group=0)
+    with pytest.raises(ValueError, match="tensor 0 param: on cpu, the kernel runs on meta"):
+        adamw.AdamWTable().tables([t], torch.device("meta"))
+
+
 @pytest.mark.parametrize("field,bad", [("grad", torch.zeros(3, dtype=torch.bfloat16)),
                                        ("exp_avg", torch.zeros(4)),
                                        ("model", torch.zeros(3)),
