@@ -98,9 +98,9 @@ def test_a_tensor_on_another_device_is_refused():
                                        ("model", torch.zeros(3)),
                                        ("step", torch.zeros(2))])
 def test_bad_tensors_name_the_field(field, bad):
-    t = adamw.AdamWTensors(param=torch.zeros(3), grad=torch.zeros(3), exp_avg=torch.zeros(3),
-                           exp_avg_sq=torch.zeros(3), step=torch.zeros(()), model=None, group=0)
+    z = lambda *shape: torch.zeros(*shape, device=DEVICE)  # noqa: E731
+    t = adamw.AdamWTensors(param=z(3), grad=z(3), exp_avg=z(3), exp_avg_sq=z(3), step=z(()),
+                           model=None, group=0)
     setattr(t, field, bad.to(DEVICE))
-    t.param = t.param.to(DEVICE)
     with pytest.raises(ValueError, match=f"tensor 0 {field}"):
         adamw.AdamWTable().tables([t], torch.device(DEVICE))
