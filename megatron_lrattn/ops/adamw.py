@@ -15,8 +15,7 @@ the bias corrections computed from it in fp64 in the kernel, so nothing is read 
 host. Tensors of any sizes and places are walked through a table of their addresses: one
 program per ``BLOCK`` elements of one tensor.
 
-``multi_tensor_adamw`` is the launcher; ``adamw_reference`` is the same update in torch ops
-(the tests compare both against ``torch.optim.AdamW``).
+``multi_tensor_adamw`` is the launcher (the tests compare it against ``torch.optim.AdamW``).
 """
 
 from __future__ import annotations
@@ -192,22 +191,3 @@ def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
     adamw_kernel[(table.programs,)](*tables, hyper, BLOCK=BLOCK, HYPER_COLUMNS=HYPER_COLUMNS,
                                     num_warps=WARPS)
 
-
-def adamw_reference(tensors: Sequence[AdamWTensors], groups: Sequence[dict],
-                    grad_scale: float = 1.0) -> None:
-    """The same step in torch ops (fp32, bias corrections in fp64), in place."""
-    for t in tensors:
-        g = groups[t.group]
-        lr, wd, (beta1, beta2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
-        t.step.add_(1.0)
-        step = float(t.step)
-        bias1 = 1.0 - beta1 ** step
-        bias2_sqrt = (1.0 - beta2 ** step) ** 0.5
-        grad = t.grad * torch.tensor(grad_scale, dtype=torch.float32)
-        t.param.mul_(1.0 - torch.tensor(lr * wd, dtype=torch.float32))
-        t.exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
-        t.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        denom = t.exp_avg_sq.sqrt() / bias2_sqrt + eps
-        t.param.addcdiv_(t.exp_avg, denom, value=-lr / bias1)
-        if t.model is not None:
-            t.model.copy_(t.param)

@@ -61,17 +61,15 @@ def obstacles(optimizer) -> List[str]:
             for key in ("amsgrad", "maximize", "differentiable"):
                 if g.get(key):
                     out.append(f"AdamW with {key}")
-        for model_group in part.float16_groups:
-            for p in model_group:
-                if p.dtype != torch.bfloat16:
-                    out.append(f"model weights in {p.dtype}")
-                    break
+        models = [p for g in part.float16_groups for p in g]
+        other = sorted({str(p.dtype) for p in models if p.dtype != torch.bfloat16})
+        if other:
+            out.append(f"model weights in {', '.join(other)}")
         params = [p for g in inner.param_groups for p in g["params"]]
         if not params or not all(p.is_cuda and p.dtype == torch.float32 for p in params):
             out.append("main weights that are not fp32 CUDA tensors")
         # megatron-core >= 0.19 clips parameters tagged with a grad-norm group (MTP's) by
         # their own norm
-        models = [p for g in part.float16_groups for p in g]
         if any(getattr(p, "grad_norm_group", None) is not None for p in params + models):
             out.append("parameters in a separately clipped gradient-norm group")
     return list(dict.fromkeys(out))
