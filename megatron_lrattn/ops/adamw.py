@@ -37,13 +37,14 @@ HYPER_COLUMNS = 6
 
 
 @triton.jit
-def adamw_kernel(chunk_tensor, chunk_start, numels, groups, param_addr, grad_addr,
+def adamw_kernel(chunk_tensor, chunk_start, chunk_whole, numels, groups, param_addr, grad_addr,
                  exp_avg_addr, exp_avg_sq_addr, step_addr, model_addr, hyper,
                  BLOCK: tl.constexpr, HYPER_COLUMNS: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor + pid)
-    offs = tl.load(chunk_start + pid) + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < tl.load(numels + t)
+    start = tl.load(chunk_start + pid)
+    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+    n = tl.load(numels + t)
     h = hyper + tl.load(groups + t) * HYPER_COLUMNS
     lr = tl.load(h)
     weight_decay = tl.load(h + 1)
@@ -66,10 +67,28 @@ def adamw_kernel(chunk_tensor, chunk_start, numels, groups, param_addr, grad_add
     g_ptr = tl.load(grad_addr + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(exp_avg_addr + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(exp_avg_sq_addr + t).to(tl.pointer_type(tl.float32))
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0) * scale
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    out = tl.load(model_addr + t)
+    o_ptr = out.to(tl.pointer_type(tl.uint16))
+    has_model = out != 0
+    if tl.load(chunk_whole + pid) != 0:
+        # BLOCK elements from every address, each 16-byte aligned (the table checked): no
+        # mask and alignment hints, so that the accesses are 128 bits wide
+        _update(tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16), tl.multiple_of(m_ptr, 16),
+                tl.multiple_of(v_ptr, 16), tl.multiple_of(o_ptr, 16), has_model,
+                tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK), None, scale, decay, b1,
+                b2, c1, c2, step_size, bias2_sqrt, eps)
+    else:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, has_model, offs, offs < n, scale, decay, b1,
+                b2, c1, c2, step_size, bias2_sqrt, eps)
+
+
+@triton.jit
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, has_model, offs, mask, scale, decay, b1, b2, c1,
+            c2, step_size, bias2_sqrt, eps):
+    g = tl.load(g_ptr + offs, mask=mask) * scale
+    p = tl.load(p_ptr + offs, mask=mask)
+    m = tl.load(m_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask)
     p = p - decay * p
     m = b1 * m + c1 * g
     v = b2 * v + c2 * g * g
@@ -77,9 +96,8 @@ def adamw_kernel(chunk_tensor, chunk_start, numels, groups, param_addr, grad_add
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    out = tl.load(model_addr + t)
-    if out != 0:
-        tl.store(out.to(tl.pointer_type(tl.uint16)) + offs, _bf16_bits(p), mask=mask)
+    if has_model:
+        tl.store(o_ptr + offs, _bf16_bits(p), mask=mask)
 
 
 @triton.jit
@@ -105,10 +123,18 @@ class AdamWTensors:
     group: int
 
 
+def _on(x: Tensor, device: torch.device) -> bool:
+    # "cuda" names the current device: cuda:0 tensors are on it when it is cuda:0
+    if device.type == "cuda" and device.index is None:
+        return x.device.type == "cuda" and x.device.index == torch.cuda.current_device()
+    return x.device == device
+
+
 def _check(t: AdamWTensors, i: int, device: torch.device) -> None:
+    device = torch.device(device)
     for name in ("param", "grad", "exp_avg", "exp_avg_sq", "step", "model"):
         x = getattr(t, name)
-        if x is not None and x.device != torch.device(device):
+        if x is not None and not _on(x, device):
             raise ValueError(f"multi_tensor_adamw: tensor {i} {name}: on {x.device}, the "
                              f"kernel runs on {device}")
     for name in ("param", "grad", "exp_avg", "exp_avg_sq"):
@@ -135,6 +161,8 @@ class AdamWTable:
         self._key: Optional[Tuple] = None
         self._tables: Tuple[Tensor, ...] = ()
         self.programs = 0
+        self.whole = 0
+        """Programs over a whole block of 16-byte aligned tensors (128-bit accesses)."""
 
     def tables(self, tensors: Sequence[AdamWTensors], device: torch.device) -> Tuple[Tensor, ...]:
         key = tuple((t.param.data_ptr(), t.grad.data_ptr(), t.exp_avg.data_ptr(),
@@ -146,16 +174,21 @@ class AdamWTable:
                 _check(t, i, device)
             chunk_tensor: List[int] = []
             chunk_start: List[int] = []
+            chunk_whole: List[int] = []
             for i, t in enumerate(tensors):
-                starts = range(0, t.param.numel(), BLOCK)
+                n = t.param.numel()
+                aligned = all(x % 16 == 0 for x in key[i][:4] + key[i][5:6])
+                starts = range(0, n, BLOCK)
                 chunk_tensor += [i] * len(starts)
                 chunk_start += list(starts)
+                chunk_whole += [int(aligned and s + BLOCK <= n) for s in starts]
             cols = list(zip(*key)) if key else [()] * 8
             as_i64 = lambda xs: torch.tensor(list(xs), dtype=torch.int64, device=device)
             self._tables = (
                 torch.tensor(chunk_tensor, dtype=torch.int32, device=device),
-                as_i64(chunk_start), as_i64(cols[6]), as_i64(cols[7]),
-                *(as_i64(c) for c in cols[:6]))
+                as_i64(chunk_start), torch.tensor(chunk_whole, dtype=torch.int8, device=device),
+                as_i64(cols[6]), as_i64(cols[7]), *(as_i64(c) for c in cols[:6]))
+            self.whole = sum(chunk_whole)
             self._key = key
             self.programs = len(chunk_tensor)
         return self._tables

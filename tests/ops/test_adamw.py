@@ -92,3 +92,29 @@ def test_bad_tensors_name_the_field(field, bad):
     setattr(t, field, bad.to(DEVICE))
     with pytest.raises(ValueError, match=f"tensor 0 {field}"):
         adamw.AdamWTable().tables([t], torch.device(DEVICE))
+
+
+def test_unaligned_and_partial_blocks_take_the_masked_path():
+    """Views 4 bytes past an aligned address and a tensor's last partial block are updated
+    through the masked path; whole blocks of aligned tensors through the unmasked one."""
+    gen = torch.Generator().manual_seed(2)
+    n = 2 * adamw.BLOCK + 5
+    ref = [torch.randn(n, generator=gen).to(DEVICE).requires_grad_() for _ in range(2)]
+    opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = []
+    for i, p in enumerate(ref):
+        def place(x, shift=i):  # tensor 1 lives one element into a larger buffer
+            buf = torch.zeros(n + shift, device=DEVICE)
+            buf[shift:].copy_(x)
+            return buf[shift:]
+        q = place(p.detach())
+        ours.append(adamw.AdamWTensors(param=q, grad=place(torch.zeros(n)),
+                                       exp_avg=place(torch.zeros(n)),
+                                       exp_avg_sq=place(torch.zeros(n)),
+                                       step=torch.zeros((), device=DEVICE),
+                                       model=q.to(torch.bfloat16), group=0))
+    table = adamw.AdamWTable()
+    for _ in range(3):
+        _step(gen, ref, opt, ours, table, 0.5)
+        _compare(ref, opt, ours)
+    assert (table.programs, table.whole) == (6, 2)
