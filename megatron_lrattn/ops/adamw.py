@@ -30,7 +30,10 @@ from torch import Tensor
 
 BLOCK = 4096
 """Elements per program."""
-WARPS = 8
+WARPS = 4
+"""32 elements a thread. On an H100 over a 1b model's tensors (0.96 B parameters) this took
+9.9 ms, 2.9 TB/s against a measured 3.0 TB/s copy; 2048 or 8192 elements, or 8 or 16 warps,
+took 10.3-11.4 ms, and 8192 x 4 or 16384 elements spilled registers (25-74 ms)."""
 
 HYPER_COLUMNS = 6
 """Per parameter group, fp64: lr, weight decay, beta1, beta2, eps, gradient scale."""
