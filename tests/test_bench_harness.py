@@ -482,3 +482,21 @@ def test_bench_step_variants_parse_to_their_own_arguments():
         ("ce", "native", args.num_blocks), ("n4", "native", 4)]
     with pytest.raises(Exception, match="given twice"):
         bench_step.parse(_STEP_BASE + ["--variant", "a=--seed 2", "--variant", "a=--seed 3"])
+
+
+OPTIMIZER = ROOT / "benchmarks" / "bench_optimizer.py"
+
+
+@pytest.mark.slow
+def test_optimizer_benchmark_smoke_checks_the_kernel_before_timing(tmp_path):
+    """bench_optimizer.py on CPU: one step of the one kernel matches megatron's passes from the
+    same state, and each candidate gets a row with its bytes a parameter and provenance."""
+    out = tmp_path / "opt.csv"
+    proc = _run(OPTIMIZER, "--csv", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["candidate"], r["bytes_per_param"]) for r in rows] == [
+        ("megatron clipped", "42"), ("megatron unclipped", "34"), ("one kernel", "30")]
+    assert all(r["check"].startswith("ok") and r["gpu"] == "cpu-interpreter" and r["git_sha"]
+               for r in rows), rows
+    assert len({r["params"] for r in rows}) == 1 and int(rows[0]["params"]) > 0

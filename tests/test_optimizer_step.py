@@ -215,7 +215,6 @@ def test_the_flag():
     from megatron_lrattn.training.fusions import fused_optimizer_step
 
     base = ["--preset", "tiny"]
-    assert not fused_optimizer_step(parse_args(base))
-    assert fused_optimizer_step(parse_args(base + ["--fused-optimizer-step"]))
-    assert not fused_optimizer_step(parse_args(base + ["--fused-optimizer-step",
-                                                       "--no-fused-adamw"]))
+    assert fused_optimizer_step(parse_args(base))
+    assert not fused_optimizer_step(parse_args(base + ["--no-fused-optimizer-step"]))
+    assert not fused_optimizer_step(parse_args(base + ["--no-fused-adamw"]))

@@ -15,9 +15,9 @@ native`` keeps megatron-core's compiled one. The training
 step also adds weight gradients to megatron's fp32 gradient buffer inside the GEMM
 (megatron-core's gradient-accumulation fusion, ``megatron_lrattn.compat.wgrad_fusion``;
 ``--no-gradient-accumulation-fusion``).
-``--fused-optimizer-step`` runs the clipping, AdamW and the copy of the main weights into the
-bf16 model weights as one kernel after the gradient norm, where megatron-core's optimizer
-allows it (``megatron_lrattn.training.optimizer_step``).
+The clipping, AdamW and the copy of the main weights into the bf16 model weights run as one
+kernel after the gradient norm where megatron-core's optimizer allows it
+(``megatron_lrattn.training.optimizer_step``; ``--no-fused-optimizer-step``).
 ``--cuda-graph-impl full_iteration`` replays the step's forward and backward as one CUDA
 graph (``megatron_lrattn.training.cuda_graph``).
 """
@@ -62,12 +62,13 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-adamw", dest="fused_adamw", action="store_false",
                    help="keep torch's multi-tensor AdamW when megatron-core falls back to it "
                         "(default: torch's fused AdamW)")
-    g.add_argument("--fused-optimizer-step", action="store_true",
-                   help="after the gradient norm, run the clipping, AdamW and the copy into "
-                        "the bf16 model weights as one Triton kernel where megatron-core's "
-                        "optimizer is its Float16OptimizerWithFloat16Params around torch's "
-                        "AdamW (CUDA, bf16, without --use-distributed-optimizer; the log says "
-                        "why not otherwise; default: off, megatron-core's step)")
+    g.add_argument("--no-fused-optimizer-step", dest="fused_optimizer_step",
+                   action="store_false",
+                   help="keep megatron-core's optimizer step (clipping, AdamW, copy into the "
+                        "bf16 model weights: three passes). Default: one Triton kernel where "
+                        "megatron-core's optimizer is its Float16OptimizerWithFloat16Params "
+                        "around torch's AdamW (CUDA, bf16, without "
+                        "--use-distributed-optimizer; the log says why not otherwise)")
     add_cuda_graph_args(g)
 
 
@@ -99,9 +100,9 @@ def gradient_accumulation_fusion(args: argparse.Namespace, cuda: bool) -> bool:
 
 
 def fused_optimizer_step(args: argparse.Namespace) -> bool:
-    """Whether the run asks for the one-kernel optimizer step (``--fused-optimizer-step``,
-    and not ``--no-fused-adamw``)."""
-    return bool(getattr(args, "fused_optimizer_step", False)
+    """Whether the run asks for the one-kernel optimizer step (neither
+    ``--no-fused-optimizer-step`` nor ``--no-fused-adamw``)."""
+    return bool(getattr(args, "fused_optimizer_step", True)
                 and getattr(args, "fused_adamw", True))
 
 

@@ -11,7 +11,7 @@ gradient norm (the value the loop logs) and the clipping factor's formula, and t
 optimizer's parameter groups and state, so checkpoints, the LR schedule and a run that
 continues on another path are unchanged.
 
-``--fused-optimizer-step`` asks for it (default off). It applies on CUDA where the optimizer
+It is the default (``--no-fused-optimizer-step`` keeps megatron's step). It applies on CUDA where the optimizer
 is that class (or megatron's chain of them) around torch's ``AdamW`` and the model weights
 are bf16; ``mixed_precision_adamw`` says why not otherwise, and the run keeps megatron's
 own step.
