@@ -433,20 +433,22 @@ _KERNEL_FLAGS = {
     "--keys": ["sliced", "nope"], "--rounds": ["1", "0"], "--extra": ["64:3", "5:x", ":", ""],
     "--csv": ["{tmp}/a.csv", "{tmp}", "{tmp}/missing/a.csv", ""],
     "--summarize": ["{tmp}/none.csv", "{tmp}"], "--smoke": [None], "--profile": [None],
-    "--no-compile": [None], "--bogus": [None],
+    "--no-compile": [None], "--bogus": [None], "--presets": ["1b", "nope", "tiny 0.5b"],
+    "--vocab-size": ["256", "0", "x"],
 }
 _KERNEL_PAIRS = [(f, v) for f, vs in _KERNEL_FLAGS.items() for v in vs]
 
 
-@pytest.mark.parametrize("script", [BLOCK, KERNELS], ids=["bench_block", "bench_kernels"])
+@pytest.mark.parametrize("script", [BLOCK, KERNELS, ROOT / "benchmarks" / "bench_optimizer.py"],
+                         ids=["bench_block", "bench_kernels", "bench_optimizer"])
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(pairs=st.lists(st.sampled_from(_KERNEL_PAIRS), max_size=4))
 def test_kernel_benchmarks_fuzzed_flags_run_or_refuse_in_one_line(script, pairs, tmp_path,
                                                                   monkeypatch):
-    """bench_block.py and bench_kernels.py: any command line reaches the measurement or ends
-    with one error line (argparse's usage errors: usage, then one ``error:`` line); never a
-    traceback."""
+    """bench_block.py, bench_kernels.py and bench_optimizer.py: any command line reaches the
+    measurement or ends with one error line (argparse's usage errors: usage, then one
+    ``error:`` line); never a traceback."""
     argv = ["--smoke"] + [x.replace("{tmp}", str(tmp_path)) for pair in pairs for x in pair
                           if x is not None]
     rc, err = _kernel_bench_outcome(script, argv, monkeypatch)
