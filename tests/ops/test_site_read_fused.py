@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from op_checks import DEVICE, TOL, assert_table, gpu, grad_errors, rel_rms, up  # noqa: E402
+from op_checks import (DEVICE, TOL, assert_table, gpu, grad_errors, rel_rms,  # noqa: E402
+                       shape_dtypes, up)
 
 from megatron_lrattn.ops import depth_read, depth_read_naive, depth_read_torch, tuning  # noqa: E402
 from megatron_lrattn.ops import triton_utils as tu  # noqa: E402
@@ -86,9 +87,9 @@ SLOW_STRESS = ("sliced", "projected", "many_sources", "many_sources_projected",
 
 @pytest.mark.parametrize("save_output", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["saved_out", "recompute"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_STRESS
-                                  else n for n in STRESS])
+@pytest.mark.parametrize("name,dtype", shape_dtypes(
+    STRESS, slow=SLOW_STRESS,
+    slow_fp32=("attnres_r_eq_d", "odd_d_1000", "r_one", "projected_two_sources")))
 def test_parity(name, dtype, save_output):
     T, d, r, S, projected = STRESS[name]
     check(T, d, r, S, dtype, projected, save_output)

@@ -21,6 +21,7 @@ from op_checks import (  # noqa: E402
     grad_errors,
     randn,
     rel_rms,
+    shape_dtypes,
     up,
 )
 from two_phase_checks import BACKENDS, MERGED, check_merge, make  # noqa: E402
@@ -45,8 +46,8 @@ MERGE = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(MERGE))
+@pytest.mark.parametrize("name,dtype", shape_dtypes(
+    MERGE, slow_fp32=("sliced", "projected", "many_sources")))
 def test_merge_equals_read_over_sources_and_partial(name, dtype, backend):
     T, d, r, S, projected = MERGE[name]
     check_merge(T, d, r, S, dtype, projected, backend)
@@ -176,8 +177,8 @@ def check_merge_norm(T, d, r, S, projected, dtype, backend, update, norm_eps=1e-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(MERGE_UPDATE))
+@pytest.mark.parametrize("name,dtype", shape_dtypes(
+    MERGE_UPDATE, slow_fp32=("sliced", "projected", "odd_d_1000")))
 def test_merge_with_fused_rmsnorm_equals_read_then_norm(name, dtype, update, backend):
     check_merge_norm(*MERGE_UPDATE[name], dtype, backend, update)
 

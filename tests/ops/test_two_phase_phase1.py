@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from op_checks import DEVICE, gpu, randn  # noqa: E402
+from op_checks import shape_dtypes  # noqa: E402
 from two_phase_checks import BACKENDS, check_block, check_merge, check_multi, make  # noqa: E402
 
 from megatron_lrattn.ops import depth_merge, depth_read, depth_read_multi, tuning  # noqa: E402
@@ -34,8 +35,9 @@ STRESS = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(STRESS))
+@pytest.mark.parametrize("name,dtype", shape_dtypes(
+    STRESS, slow_fp32=("sliced", "projected", "many_sources", "many_sources_projected",
+                       "odd_d_1000", "wide_d4096")))
 def test_multi_parity(name, dtype, backend):
     T, d, r, S, K, projected = STRESS[name]
     check_multi(T, d, r, S, K, dtype, projected, backend)
@@ -185,8 +187,9 @@ CHUNKED_TILES = {
 
 
 @pytest.mark.parametrize("tiles", list(CHUNKED_TILES))
-@pytest.mark.parametrize("name", ["sliced", "projected", "attnres_r_eq_d", "r_one",
-                                  "many_sources"])
+@pytest.mark.parametrize("name", ["sliced"] + [  # the other shapes in the full suite only
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("projected", "attnres_r_eq_d", "r_one", "many_sources")])
 def test_multi_chunked_tiles_match(name, tiles):
     """The width-chunked phase 1 at other tiles: several column chunks per row in every pass
     (key columns starting inside a chunk, dot partials over several chunks), logit chunks
