@@ -19,13 +19,16 @@ own step.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 
-from megatron_lrattn.ops import adamw
+
+if TYPE_CHECKING:   # the kernel module needs Triton, imported where the step is built
+    from megatron_lrattn.ops import adamw
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,8 @@ def obstacles(optimizer) -> List[str]:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     out = []
+    if importlib.util.find_spec("triton") is None:
+        out.append("Triton is not installed")
     for part in _parts(optimizer):
         if type(part) is not Float16OptimizerWithFloat16Params:
             out.append(f"{type(part).__name__} is not megatron's Float16OptimizerWithFloat16Params")
@@ -79,6 +84,7 @@ class MixedPrecisionAdamW:
     """Callable like megatron's ``optimizer.step()``: ``(success, grad_norm, num_zeros)``."""
 
     def __init__(self, optimizer) -> None:
+        from megatron_lrattn.ops import adamw
         self.optimizer = optimizer
         self.parts = []
         for part in _parts(optimizer):
@@ -99,6 +105,7 @@ class MixedPrecisionAdamW:
                         st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
     def _tensors(self, part, model_of) -> List[adamw.AdamWTensors]:
+        from megatron_lrattn.ops import adamw
         inner = part.optimizer
         out = []
         for gi, g in enumerate(inner.param_groups):
@@ -116,6 +123,7 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def __call__(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        from megatron_lrattn.ops import adamw
         opt = self.optimizer
         if opt.prepare_grads():
             return False, None, None
