@@ -162,6 +162,13 @@ suite_bench() {  # the step-time benchmark of every preset (docs/performance.md)
     local variants=()  # BENCH_VARIANTS: NAME=FLAGS entries separated by ';' (bench_step --variant)
     IFS=';' read -ra v <<< "${BENCH_VARIANTS:-}"
     for entry in "${v[@]}"; do [ -n "$entry" ] && variants+=(--variant "$entry"); done
+    # the optimizer passes alone (two copies of a 4b model's optimizer state do not fit)
+    local opt=()
+    for preset in ${PRESETS:-0.5b 1b 4b}; do [ "$preset" != 4b ] && opt+=("$preset"); done
+    if [ "$NGPU" -gt 0 ] && [ ${#opt[@]} -gt 0 ]; then
+        step "bench_optimizer.py, ${opt[*]}" "${OPT_S:-180}" python3 benchmarks/bench_optimizer.py \
+            --presets "${opt[@]}" --csv "$OUT/optimizer.csv"
+    fi
     for preset in ${PRESETS:-0.5b 1b 4b}; do
         case $preset in
         4b) flags=(--micro-batch-size 1 --global-batch-size 1 --tensor-model-parallel-size 1
