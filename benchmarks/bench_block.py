@@ -188,13 +188,7 @@ def main():
     if args.width < 4:
         ap.error(f"--width {args.width}: at least 4 (sliced keys take r = d/4)")
     bc.check_csv(ap, "--csv", args.csv)
-    if args.smoke:
-        bc.use_cpu_smoke()
-    elif not torch.cuda.is_available():
-        sys.exit("bench_block: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
-    copy_tbps = bc.copy_bandwidth()
-    meta = bc.meta()
-    print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
+    copy_tbps, meta = bc.start("bench_block", args.smoke, bc.ROUNDS)
     d, K = args.width, args.sites
     for S in args.sources:
         for label in args.keys:

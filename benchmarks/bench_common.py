@@ -71,6 +71,22 @@ def use_cpu_smoke() -> None:
     DEVICE = "cpu"
 
 
+def start(name: str, smoke: bool, rounds: int = ROUNDS):
+    """A kernel benchmark's start: the CPU interpreter with ``smoke``, else a CUDA GPU (or
+    exit with one line), the timing rounds, the copy bandwidth and the provenance columns,
+    printed. Returns ``(copy TB/s, meta)``."""
+    global ROUNDS
+    if smoke:
+        use_cpu_smoke()
+    elif not torch.cuda.is_available():
+        sys.exit(f"{name}: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+    ROUNDS = rounds
+    copy_tbps = copy_bandwidth()
+    info = meta()
+    print(f"{info}  copy {copy_tbps:.3f} TB/s", flush=True)
+    return copy_tbps, info
+
+
 def rel_rms(x, ref) -> float:
     """RMS(x - ref) / RMS(ref) in fp32."""
     x, ref = x.float(), ref.float()

@@ -236,14 +236,7 @@ def main():
     if min(args.widths + [d for d, _ in extra]) < 4:
         ap.error("--widths: at least 4 (sliced keys take r = d/4)")
     bc.check_csv(ap, "--csv", args.csv)
-    if args.smoke:
-        bc.use_cpu_smoke()
-    elif not torch.cuda.is_available():
-        sys.exit("bench_kernels: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
-    bc.ROUNDS = args.rounds
-    copy_tbps = bc.copy_bandwidth()
-    meta = bc.meta()
-    print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
+    copy_tbps, meta = bc.start("bench_kernels", args.smoke, args.rounds)
     pairs = [(d, S) for S in args.sources for d in args.widths]
     pairs += extra
     rows = []

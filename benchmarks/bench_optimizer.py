@@ -108,14 +108,8 @@ def main():
     args = ap.parse_args()
     bc.check_csv(ap, "--csv", args.csv)
     if args.smoke:
-        bc.use_cpu_smoke()
         args.presets, args.vocab_size = ["tiny"], min(args.vocab_size, 256)
-    elif not torch.cuda.is_available():
-        sys.exit("bench_optimizer: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
-    bc.ROUNDS = args.rounds
-    copy_tbps = bc.copy_bandwidth()
-    meta = bc.meta()
-    print(f"{meta}  copy {copy_tbps:.3f} TB/s", flush=True)
+    copy_tbps, meta = bc.start("bench_optimizer", args.smoke, args.rounds)
     print(f"{'preset':8} {'candidate':20} {'ms':>9} {'TB/s':>6} {'% copy':>7} {'vs clipped':>10}")
     for preset in args.presets:
         n, count, check, fns = candidates(preset, args.vocab_size, bc.DEVICE)
