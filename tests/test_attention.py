@@ -172,8 +172,13 @@ def test_sdpa_spec_rotary_inside_core_matches_megatron_rotary(mp, residual):
     from megatron_lrattn.model.spec import get_lr_attnres_layer_spec
 
     cfg = tiny_config(residual, num_layers=2, **({} if residual == "standard" else {"num_blocks": 3}))
+    from megatron.core.transformer.attention import SelfAttention
+
     fused_spec = get_lr_attnres_layer_spec(cfg, core_attention="sdpa")
-    losses, grads = _losses_and_grads(cfg, (fused_spec, _stock_self_attention(fused_spec)), 3)
+    unfused_spec = get_lr_attnres_layer_spec(cfg, core_attention="sdpa", rope_fusion=False)
+    assert unfused_spec.submodules.self_attention.module is SelfAttention  # --no-rope-fusion
+    assert fused_spec.submodules.self_attention.module is not SelfAttention
+    losses, grads = _losses_and_grads(cfg, (fused_spec, unfused_spec), 3)
     assert torch.equal(losses[0], losses[1])
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:

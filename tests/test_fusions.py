@@ -118,3 +118,61 @@ def test_triton_cross_entropy_needs_the_fusion_on():
     assert parse_args(["--preset", "tiny"]).cross_entropy_fusion_impl == "triton"
     off = parse_args(["--preset", "tiny", "--no-cross-entropy-loss-fusion"])
     assert not off.cross_entropy_loss_fusion and off.cross_entropy_fusion_impl is None
+
+
+def test_rope_fusion_fields_of_the_te_spec():
+    """The TE spec's rotary fusion (megatron-core's ``apply_rope_fusion`` and
+    ``fused_single_qkv_rope``): off with ``--no-rope-fusion`` or without rotary embeddings
+    (no TE needed to say so), asked of TE otherwise; the local spec's fields are untouched
+    (its fusion lives in the spec, ``get_lr_attnres_layer_spec(rope_fusion=...)``)."""
+    from megatron_lrattn.compat import te as te_compat
+    from megatron_lrattn.training.fusions import te_rope_fusion
+
+    def te_args(*argv, **fields):
+        a = _args(*argv)
+        a.transformer_impl, a.qk_layernorm, a.position_embedding_type = "transformer_engine", False, "rope"
+        vars(a).update(fields)
+        return a
+
+    off = {"apply_rope_fusion": False, "fused_single_qkv_rope": False}
+    assert te_rope_fusion(te_args("--no-rope-fusion")) == off
+    assert te_rope_fusion(te_args(position_embedding_type="learned_absolute")) == off
+    assert fusion_config(te_args("--no-rope-fusion"), cuda=True)["apply_rope_fusion"] is False
+    assert "apply_rope_fusion" not in fusion_config(_args(), cuda=True)  # local spec
+    assert _args().rope_fusion and not _args("--no-rope-fusion").rope_fusion
+    if te_compat.te_available():
+        on = te_rope_fusion(te_args())
+        assert on["apply_rope_fusion"] is True
+        assert te_rope_fusion(te_args(qk_layernorm=True))["fused_single_qkv_rope"] is False
+    else:
+        with pytest.raises(te_compat.TEUnavailableError):
+            te_rope_fusion(te_args())
+
+
+def test_megatron_builds_torch_adamw_for_the_one_kernel_step(monkeypatch):
+    """Where TE or Apex is installed megatron-core builds their FusedAdam; the one-kernel
+    step needs torch's AdamW (its state layout), so the builder switches megatron's choice
+    for the build only, and only where the kernel step will run."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    from megatron_lrattn.training import builder
+
+    monkeypatch.setattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    with builder._torch_adamw_under_megatron(True):
+        assert mcore_optimizer.USING_PYTORCH_OPTIMIZER is True
+    assert mcore_optimizer.USING_PYTORCH_OPTIMIZER is False
+    with pytest.raises(RuntimeError):
+        with builder._torch_adamw_under_megatron(True):
+            raise RuntimeError("build failed")
+    assert mcore_optimizer.USING_PYTORCH_OPTIMIZER is False
+    with builder._torch_adamw_under_megatron(False):
+        assert mcore_optimizer.USING_PYTORCH_OPTIMIZER is False
+    args = argparse.Namespace(use_distributed_optimizer=False, fused_optimizer_step=True,
+                              fused_adamw=True)
+    cuda = torch.cuda.is_available()
+    assert builder.torch_adamw_for_fused_step(args, bf16=True) is cuda
+    assert builder.torch_adamw_for_fused_step(args, bf16=False) is False
+    for change in ({"use_distributed_optimizer": True}, {"fused_optimizer_step": False},
+                   {"fused_adamw": False}):
+        assert builder.torch_adamw_for_fused_step(
+            argparse.Namespace(**{**vars(args), **change}), bf16=True) is False

@@ -318,6 +318,33 @@ def test_te_model_matches_local_model_with_the_same_weights(mode, depth):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,depth", MODES, ids=MODE_IDS)
+def test_te_rope_fusion_matches_the_unfused_rotary_embedding(mode, depth):
+    """TE's fused RoPE (and its one QKV-to-rotated-heads node where megatron-core takes it),
+    as ``fusions.te_rope_fusion`` turns them on, against megatron-core's unfused rotary
+    embedding: same weights, same loss and gradients up to bf16 rounding."""
+    _need_te_cuda()
+    from megatron.core.transformer import attention
+
+    single = bool(getattr(attention, "HAVE_FUSED_QKV_ROPE", False))
+    unfused = _build_cuda(_config(mode, depth), "te")
+    fused = _build_cuda(_config(mode, depth, apply_rope_fusion=True,
+                                fused_single_qkv_rope=single), "te", seed=7)
+    fused.load_state_dict(unfused.state_dict())
+    tokens, pos, labels = (t.cuda() for t in tiny_batch())
+    losses, grads = [], []
+    for model in (unfused, fused):
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    assert rel_rms(losses[1], losses[0]) < 1e-2
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert rel_rms(grads[1][n], grads[0][n]) < 5e-2, n
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 @pytest.mark.parametrize("mode,depth", MODES[1:], ids=MODE_IDS[1:])
 def test_te_fp8_forward_backward_runs_and_gives_every_parameter_a_gradient(mode, depth, recipe):

@@ -26,9 +26,12 @@ converter, tests).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import re
+import sys
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 TE_VERSION = "2.20.2"
@@ -94,7 +97,8 @@ def require_te():
             "Transformer Engine is not installed (no module 'transformer_engine'); the TE "
             f"spec and FP8 need it. {TE_INSTALL_HINT}")
     try:
-        te = importlib.import_module("transformer_engine.pytorch")
+        with _torch_cudnn_for_te():
+            te = importlib.import_module("transformer_engine.pytorch")
     except Exception as e:  # noqa: BLE001 - TE raises ImportError, OSError, RuntimeError, ...
         first = str(e).splitlines()[0] if str(e) else ""
         raise TEUnavailableError(
@@ -107,6 +111,50 @@ def require_te():
             "megatron.core.extensions.transformer_engine was imported before Transformer "
             "Engine could load and keeps a stand-in; import TE first (or start a new process)")
     return te
+
+
+def _loaded_cudnn_dir() -> Optional[str]:
+    """The folder of the cuDNN library this process has loaded (torch's), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ")[-1]
+                if os.path.basename(path).startswith("libcudnn.so"):
+                    return os.path.dirname(path)
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def _torch_cudnn_for_te():
+    """While TE is imported, point it at the cuDNN torch uses.
+
+    TE's import loads cuDNN itself, preferring ``CUDNN_HOME``/``CUDNN_PATH``, then the CUDA
+    toolkit's folders, over the copy torch brings; where the system has an older cuDNN, both
+    end up in the process and torch's own cuDNN calls can resolve to TE's copy, whereupon
+    torch refuses cuDNN ("cuDNN version incompatibility") and its SDPA falls back to flash
+    attention (twice the attention time at 1b on an H100). So unless the user set
+    ``CUDNN_HOME`` or ``CUDNN_PATH``, TE is shown the folder of the cuDNN torch loaded.
+    """
+    import torch
+
+    folder = None
+    if not (os.environ.get("CUDNN_HOME") or os.environ.get("CUDNN_PATH")) \
+            and "transformer_engine" not in sys.modules and torch.cuda.is_available():
+        try:
+            torch.backends.cudnn.version()  # torch loads its cuDNN
+        except Exception:  # noqa: BLE001 - no usable cuDNN: leave TE's own search alone
+            pass
+        folder = _loaded_cudnn_dir()
+    if folder is None:
+        yield
+        return
+    os.environ["CUDNN_HOME"] = folder
+    try:
+        yield
+    finally:
+        os.environ.pop("CUDNN_HOME", None)
 
 
 def fp8_shape_problems(*, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,

@@ -150,6 +150,7 @@ def get_lr_attnres_layer_spec(
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
     core_attention: str = "auto",
+    rope_fusion: bool = True,
 ) -> ModuleSpec:
     """Transformer-layer spec for a residual mode.
 
@@ -163,6 +164,11 @@ def get_lr_attnres_layer_spec(
         core_attention: ``local`` (megatron's DotProductAttention), ``sdpa`` or ``auto``
             (``sdpa`` when CUDA is available or ``context_parallel_size`` > 1); the TE spec takes only ``auto`` (it uses
             ``TEDotProductAttention``).
+        rope_fusion: local spec with the SDPA core: the core applies the rotary embedding
+            (``RotarySDPASelfAttention``, fused with the QKV split where it can); False
+            keeps megatron-core's unfused rotary embedding. The TE spec follows
+            ``config.apply_rope_fusion`` / ``config.fused_single_qkv_rope`` instead
+            (``megatron_lrattn.training.fusions.te_rope_fusion``).
 
     Returns:
         A ``ModuleSpec``: the backend's megatron-core GPT layer spec with our layer
@@ -196,7 +202,8 @@ def get_lr_attnres_layer_spec(
     if attn_changes:
         layer_changes["self_attention"] = _replace_submodules(sub.self_attention, **attn_changes)
     attn = layer_changes.get("self_attention")
-    if modules.core_attention is SDPACoreAttention and isinstance(attn, ModuleSpec):
+    if (rope_fusion and modules.core_attention is SDPACoreAttention
+            and isinstance(attn, ModuleSpec)):
         # the SDPA core applies the rotary embedding itself (fused, model/attention.py)
         layer_changes["self_attention"] = dataclasses.replace(attn, module=RotarySDPASelfAttention)
     if mlp_changes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import List, Optional, Tuple
 
 import torch
@@ -110,7 +111,8 @@ def build_model(config: LRAttnResConfig, args: argparse.Namespace, vocab_size: i
     from megatron.core import parallel_state
 
     backend = SPEC_BACKENDS[getattr(args, "transformer_impl", "local")]
-    layer_spec = get_lr_attnres_layer_spec(config, backend=backend, qk_layernorm=args.qk_layernorm)
+    layer_spec = get_lr_attnres_layer_spec(config, backend=backend, qk_layernorm=args.qk_layernorm,
+                                           rope_fusion=getattr(args, "rope_fusion", True))
     virtual = dict(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None else {}
     model = LRAttnResGPTModel(
         config,
@@ -236,6 +238,38 @@ def wrap_model(model, config: LRAttnResConfig, args):
     return ParamSyncingDDP(config, ddp_config(args), model)
 
 
+def torch_adamw_for_fused_step(args: argparse.Namespace, bf16: bool) -> bool:
+    """Whether megatron-core must build torch's ``AdamW`` (not TE's or Apex's ``FusedAdam``,
+    which it picks when either is installed) because the run will step it with the one-kernel
+    step (``megatron_lrattn.training.optimizer_step``): CUDA, bf16, no distributed optimizer,
+    Triton present, the step not turned off. The kernel replaces the inner optimizer's step
+    and keeps torch's state layout (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``)."""
+    import importlib.util
+
+    from megatron_lrattn.training.fusions import fused_optimizer_step
+
+    return bool(torch.cuda.is_available() and bf16
+                and not args.use_distributed_optimizer and fused_optimizer_step(args)
+                and importlib.util.find_spec("triton") is not None)
+
+
+@contextlib.contextmanager
+def _torch_adamw_under_megatron(enabled: bool):
+    """megatron-core chooses its Adam class from a module flag set at import
+    (``USING_PYTORCH_OPTIMIZER``); while ``enabled`` it is set to torch's."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    before = getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", None)
+    if not enabled or before is None or before:
+        yield
+        return
+    mcore_optimizer.USING_PYTORCH_OPTIMIZER = True
+    try:
+        yield
+    finally:
+        mcore_optimizer.USING_PYTORCH_OPTIMIZER = before
+
+
 def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namespace
                     ) -> Tuple[object, object]:
     """AdamW (1-D parameters, i.e. norms, biases and depth queries, get no weight decay)
@@ -256,7 +290,8 @@ def build_optimizer(models: List, config: LRAttnResConfig, args: argparse.Namesp
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
     )
-    optimizer = get_megatron_optimizer(opt_config, models)
+    with _torch_adamw_under_megatron(torch_adamw_for_fused_step(args, config.bf16)):
+        optimizer = get_megatron_optimizer(opt_config, models)
     use_fused_adamw(optimizer, getattr(args, "fused_adamw", True))
     scheduler = build_scheduler(optimizer, args)
     return optimizer, scheduler

@@ -6,8 +6,11 @@ them, and falls back to torch's ``AdamW`` in its multi-tensor form when neither 
 Apex's fused Adam is installed. On CUDA this module turns the compiled fusions on and moves
 that fallback to torch's single-kernel fused AdamW (the same update, one kernel per tensor
 group). On CPU nothing changes: compiling there would cost minutes of test time and buys
-nothing. The rotary embedding is fused in the SDPA core (``megatron_lrattn.model.attention``).
-``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
+nothing. The rotary embedding is fused: with the local spec in the SDPA core
+(``megatron_lrattn.model.attention``), with the TE spec by TE's kernels (megatron-core's
+``apply_rope_fusion``, and ``fused_single_qkv_rope``, one node from the QKV projection's output
+to the rotated q, k and v, where megatron-core takes it); ``--no-rope-fusion`` keeps
+megatron-core's unfused rotary embedding in both. ``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
 ``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off. The fused
 cross entropy is ``megatron_lrattn.ops.cross_entropy`` (Triton, one pass over the logits; the
 backward keeps the logits instead of an fp32 softmax); ``--cross-entropy-fusion-impl
@@ -54,6 +57,9 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
                         "token), native = megatron-core's compiled one (keeps an fp32 softmax "
                         "for the backward: 3.1 GiB more and 5.5 ms slower on an H200 at 1b, "
                         "8 x 2048 tokens, vocabulary 32768; default: triton)")
+    g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
+                   help="megatron-core's unfused rotary embedding (default: fused; the local "
+                        "spec in its SDPA core, the TE spec with TE's fused RoPE kernels)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="add each weight gradient to the fp32 gradient buffer in a separate "
@@ -88,7 +94,26 @@ def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:
         out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
         if (getattr(args, "cross_entropy_fusion_impl", None) or "triton") == "triton":
             out["triton_cross_entropy"] = True
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        out.update(te_rope_fusion(args))
     return out
+
+
+def te_rope_fusion(args: argparse.Namespace) -> Dict[str, bool]:
+    """megatron-core's rotary-fusion fields for the TE spec: ``apply_rope_fusion`` (TE's fused
+    RoPE on q and k) unless ``--no-rope-fusion`` or without rotary embeddings, and
+    ``fused_single_qkv_rope`` (TE's one node from the QKV projection's output to rotated q,
+    k, v: no split copies forward, no concatenated gradient backward) where megatron-core
+    takes it: TE ships the kernel, no QK-norm and no output gate. Imports TE."""
+    from megatron_lrattn.compat import te as te_compat
+
+    if not getattr(args, "rope_fusion", True) or getattr(args, "position_embedding_type", "rope") != "rope":
+        return {"apply_rope_fusion": False, "fused_single_qkv_rope": False}
+    te_compat.require_te()
+    from megatron.core.transformer import attention
+
+    single = bool(getattr(attention, "HAVE_FUSED_QKV_ROPE", False)) and not getattr(args, "qk_layernorm", False)
+    return {"apply_rope_fusion": True, "fused_single_qkv_rope": single}
 
 
 def gradient_accumulation_fusion(args: argparse.Namespace, cuda: bool) -> bool:
