@@ -126,6 +126,35 @@ def _loaded_cudnn_dir() -> Optional[str]:
     return None
 
 
+_CUDNN_ORDER = ("libcudnn_graph", "libcudnn_engines_precompiled",
+                "libcudnn_engines_runtime_compiled", "libcudnn_heuristic", "libcudnn_ops",
+                "libcudnn_cnn", "libcudnn_adv", "libcudnn")
+
+
+def _preload_cudnn(folder: str) -> None:
+    """Load every cuDNN library in ``folder`` into the process's global namespace, the
+    sub-libraries before those that need them (a library that fails is tried again after
+    the others)."""
+    import ctypes
+    import glob
+
+    def rank(path):
+        stem = os.path.basename(path).split(".so")[0]
+        return _CUDNN_ORDER.index(stem) if stem in _CUDNN_ORDER else len(_CUDNN_ORDER)
+
+    todo = sorted(glob.glob(os.path.join(folder, "libcudnn*.so*")), key=rank)
+    while todo:
+        left = []
+        for path in todo:
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                left.append(path)
+        if len(left) == len(todo):
+            return  # what loads is loaded; TE's own search handles the rest
+        todo = left
+
+
 @contextlib.contextmanager
 def _torch_cudnn_for_te():
     """While TE is imported, point it at the cuDNN torch uses.
@@ -135,7 +164,9 @@ def _torch_cudnn_for_te():
     end up in the process and torch's own cuDNN calls can resolve to TE's copy, whereupon
     torch refuses cuDNN ("cuDNN version incompatibility") and its SDPA falls back to flash
     attention (twice the attention time at 1b on an H100). So unless the user set
-    ``CUDNN_HOME`` or ``CUDNN_PATH``, TE is shown the folder of the cuDNN torch loaded.
+    ``CUDNN_HOME`` or ``CUDNN_PATH``, torch's cuDNN libraries (the main one and the
+    sub-libraries it would load later) are loaded first and TE is shown their folder: every
+    later lookup of a cuDNN library by name finds torch's.
     """
     import torch
 
@@ -150,6 +181,7 @@ def _torch_cudnn_for_te():
     if folder is None:
         yield
         return
+    _preload_cudnn(folder)
     os.environ["CUDNN_HOME"] = folder
     try:
         yield
