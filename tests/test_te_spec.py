@@ -357,3 +357,53 @@ def test_te_fp8_forward_backward_runs_and_gives_every_parameter_a_gradient(mode,
     assert torch.isfinite(loss)
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
+
+
+def test_te_import_is_shown_torchs_cudnn(monkeypatch, tmp_path):
+    """Before TE's import, every cuDNN library of the folder torch loaded its cuDNN from is
+    loaded (sub-libraries first, a failing one retried after the others, a folder of
+    libraries that never load ends the loop) and TE is pointed at that folder, unless the
+    user set CUDNN_HOME or CUDNN_PATH; the environment is restored afterwards."""
+    import ctypes
+    import os
+    import sys
+
+    names = ["libcudnn.so.9", "libcudnn_ops.so.9", "libcudnn_heuristic.so.9",
+             "libcudnn_graph.so.9", "libcudnn_adv.so.9"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    calls, failed = [], set()
+
+    def fake_cdll(path, mode=0):
+        name = os.path.basename(path)
+        calls.append(name)
+        if name == "libcudnn_heuristic.so.9" and name not in failed:
+            failed.add(name)
+            raise OSError("undefined symbol (first try)")
+        return object()
+
+    monkeypatch.setattr(ctypes, "CDLL", fake_cdll)
+    te_compat._preload_cudnn(str(tmp_path))
+    assert calls[0] == "libcudnn_graph.so.9" and calls[-1] == "libcudnn_heuristic.so.9"
+    assert calls.index("libcudnn.so.9") > calls.index("libcudnn_adv.so.9")
+    assert sorted(set(calls)) == sorted(names) and len(calls) == len(names) + 1
+
+    def never(path, mode=0):
+        raise OSError("not a library")
+
+    monkeypatch.setattr(ctypes, "CDLL", never)
+    te_compat._preload_cudnn(str(tmp_path))  # returns: nothing loads
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda path, mode=0: object())
+    monkeypatch.setattr(te_compat, "_loaded_cudnn_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    monkeypatch.delenv("CUDNN_HOME", raising=False)
+    monkeypatch.delenv("CUDNN_PATH", raising=False)
+    with te_compat._torch_cudnn_for_te():
+        assert os.environ.get("CUDNN_HOME") == str(tmp_path)
+    assert "CUDNN_HOME" not in os.environ
+    monkeypatch.setenv("CUDNN_PATH", "/opt/cudnn")
+    with te_compat._torch_cudnn_for_te():
+        assert "CUDNN_HOME" not in os.environ  # the user's choice stands
