@@ -210,6 +210,24 @@ def test_continues_from_a_loaded_state_dict(mp):
             assert torch.equal(a.optimizer.state[p][k], b.optimizer.state[q][k]), k
 
 
+def test_takes_the_step_count_of_a_fused_adam_state(mp):
+    """A state written by TE's or Apex's FusedAdam (moments per parameter, the step count in
+    each parameter group) continues with that count, not from step 0."""
+    from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
+
+    _, optimizer, _ = _build()
+    inner = _inner(optimizer).optimizer
+    for g in inner.param_groups:
+        g["step"] = 7
+        for p in g["params"]:
+            inner.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    MixedPrecisionAdamW(optimizer)
+    steps = {float(inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]}
+    assert steps == {7.0}
+    assert all(inner.state[p]["step"].dtype == torch.float32
+               for g in inner.param_groups for p in g["params"])
+
+
 def test_the_flag():
     from megatron_lrattn.training.arguments import parse_args
     from megatron_lrattn.training.fusions import fused_optimizer_step

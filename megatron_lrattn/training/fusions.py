@@ -10,8 +10,9 @@ nothing. The rotary embedding is fused: with the local spec in the SDPA core
 (``megatron_lrattn.model.attention``), with the TE spec by TE's kernels (megatron-core's
 ``apply_rope_fusion``, and ``fused_single_qkv_rope``, one node from the QKV projection's output
 to the rotated q, k and v, where megatron-core takes it); ``--no-rope-fusion`` keeps
-megatron-core's unfused rotary embedding in both. ``--no-bias-swiglu-fusion``, ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``,
-``--no-cross-entropy-loss-fusion`` and ``--no-fused-adamw`` turn each one off. The fused
+megatron-core's unfused rotary embedding in both. ``--no-bias-swiglu-fusion``,
+``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``, ``--no-cross-entropy-loss-fusion``
+and ``--no-fused-adamw`` turn each one off. The fused
 cross entropy is ``megatron_lrattn.ops.cross_entropy`` (Triton, one pass over the logits; the
 backward keeps the logits instead of an fp32 softmax); ``--cross-entropy-fusion-impl
 native`` keeps megatron-core's compiled one. The training
@@ -107,12 +108,14 @@ def te_rope_fusion(args: argparse.Namespace) -> Dict[str, bool]:
     takes it: TE ships the kernel, no QK-norm and no output gate. Imports TE."""
     from megatron_lrattn.compat import te as te_compat
 
-    if not getattr(args, "rope_fusion", True) or getattr(args, "position_embedding_type", "rope") != "rope":
+    rope = getattr(args, "position_embedding_type", "rope") == "rope"
+    if not (getattr(args, "rope_fusion", True) and rope):
         return {"apply_rope_fusion": False, "fused_single_qkv_rope": False}
     te_compat.require_te()
     from megatron.core.transformer import attention
 
-    single = bool(getattr(attention, "HAVE_FUSED_QKV_ROPE", False)) and not getattr(args, "qk_layernorm", False)
+    single = (bool(getattr(attention, "HAVE_FUSED_QKV_ROPE", False))
+              and not getattr(args, "qk_layernorm", False))
     return {"apply_rope_fusion": True, "fused_single_qkv_rope": single}
 
 

@@ -95,11 +95,17 @@ class MixedPrecisionAdamW:
         self._normalize_state()
 
     def _normalize_state(self) -> None:
-        # a checkpoint written by an unfused (CPU) run keeps each step count on the host
+        # A checkpoint written by an unfused (CPU) run keeps each step count on the host; one
+        # written where megatron-core built TE's or Apex's FusedAdam (a TE install, before
+        # the builder asked for torch's AdamW) counts steps per parameter group, not per
+        # parameter: without the count the bias corrections would start over.
         for part, _, _ in self.parts:
             for g in part.optimizer.param_groups:
                 for p in g["params"]:
                     st = part.optimizer.state.get(p)
+                    if st and "step" not in st and "exp_avg" in st and g.get("step") is not None:
+                        st["step"] = torch.tensor(float(g["step"]), dtype=torch.float32,
+                                                  device=p.device)
                     if st and "step" in st and (st["step"].device != p.device
                                                 or st["step"].dtype != torch.float32):
                         st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
