@@ -130,7 +130,8 @@ def test_rope_fusion_fields_of_the_te_spec():
 
     def te_args(*argv, **fields):
         a = _args(*argv)
-        a.transformer_impl, a.qk_layernorm, a.position_embedding_type = "transformer_engine", False, "rope"
+        a.transformer_impl, a.qk_layernorm = "transformer_engine", False
+        a.position_embedding_type = "rope"
         vars(a).update(fields)
         return a
 
