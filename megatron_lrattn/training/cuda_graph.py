@@ -16,7 +16,11 @@ graphs share one memory pool (activations are dead between steps, so the models'
 take turns with the same memory, as they do without graphs).
 
 The whole run uses one non-default stream (:func:`use_capture_stream`), the capture and
-the replays included. Validation steps stay eager. The capture needs CUDA, one pipeline
+the replays included. Validation steps stay eager. With the TE spec the graph holds TE's
+work as well: the FP8 weight casts of the step's first micro-batch (megatron-core's schedule
+marks it before the capture, so every replay casts the updated weights) and, with delayed
+scaling, the amax reductions and scale updates TE runs when the forward's FP8 region ends
+and after the backward. The capture needs CUDA, one pipeline
 stage (the pipeline schedules' point-to-point shapes and the depth-source cache are not
 captured) and no dropout
 (megatron-core's RNG tracker switches generator states on the host). The pinned host tables

@@ -175,7 +175,7 @@ def add_cuda_graph_args(group) -> None:
     group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="auto",
                        help="full_iteration: capture the training step's forward and backward "
                             "in one CUDA graph and replay it (CUDA, one pipeline stage, no "
-                            "dropout, the local spec); auto: full_iteration where it applies, "
+                            "dropout; both specs, FP8 included); auto: full_iteration where it applies, "
                             "else none (default: auto)")
     group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
                        help="eager training steps before the capture (default: 3)")
@@ -193,8 +193,6 @@ def _cuda_graph_obstacles(args: argparse.Namespace, cuda: bool) -> list:
     if dropout:
         out.append("it runs without dropout (megatron-core's RNG tracker switches generator "
                    f"states on the host): got {', '.join(dropout)}")
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        out.append("it is not supported with --transformer-impl transformer_engine")
     if getattr(args, "overlap_grad_reduce", None):
         out.append("overlap_grad_reduce: its bucket hooks skip while capturing (untested)")
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
