@@ -173,7 +173,8 @@ def test_megatron_builds_torch_adamw_for_the_one_kernel_step(monkeypatch):
     cuda = torch.cuda.is_available()
     assert builder.torch_adamw_for_fused_step(args, bf16=True) is cuda
     assert builder.torch_adamw_for_fused_step(args, bf16=False) is False
-    for change in ({"use_distributed_optimizer": True}, {"fused_optimizer_step": False},
-                   {"fused_adamw": False}):
+    assert builder.torch_adamw_for_fused_step(
+        argparse.Namespace(**{**vars(args), "use_distributed_optimizer": True}), bf16=True) is cuda
+    for change in ({"fused_optimizer_step": False}, {"fused_adamw": False}):
         assert builder.torch_adamw_for_fused_step(
             argparse.Namespace(**{**vars(args), **change}), bf16=True) is False

@@ -52,16 +52,21 @@ def _inner(optimizer):
 
 def _snapshot(optimizer, grad_norm):
     inner = _inner(optimizer)
-    mains = [p for g in inner.fp32_from_float16_groups for p in g]
+    if hasattr(inner, "shard_fp32_from_float16_groups"):  # distributed (one rank: whole shards)
+        mains = [p for g in inner.shard_fp32_from_float16_groups for p in g]
+        models = [p.detach().reshape(-1).clone() for g in inner.model_float16_groups for p in g]
+    else:
+        mains = [p for g in inner.fp32_from_float16_groups for p in g]
+        models = [p.detach().clone() for g in inner.float16_groups for p in g]
     return dict(
         grad_norm=float(grad_norm),
-        model=[p.detach().clone() for g in inner.float16_groups for p in g],
+        model=models,
         main=[p.detach().clone() for p in mains],
         state={k: [inner.optimizer.state[p][k].detach().clone() for p in mains]
                for k in ("exp_avg", "exp_avg_sq", "step")})
 
 
-def _train_pair(clip: float, steps: int = 3):
+def _train_pair(clip: float, steps: int = 3, extra=()):
     """Both paths from the same weights; each step, ours gets the reference's gradients
     (the bf16 forward would otherwise amplify last-bit differences of the weights)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -69,7 +74,7 @@ def _train_pair(clip: float, steps: int = 3):
     from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
     from megatron_lrattn.training.step import loss_func
 
-    pairs = [_build(["--clip-grad", str(clip)]) for _ in range(2)]
+    pairs = [_build(["--clip-grad", str(clip), *extra]) for _ in range(2)]
     (ddp_ours, opt_ours, sched_ours), (ddp_ref, opt_ref, sched_ref) = pairs
     ours_step = MixedPrecisionAdamW(opt_ours)
     gb = torch.Generator().manual_seed(11)
@@ -103,24 +108,29 @@ def _train_pair(clip: float, steps: int = 3):
     return history, opt_ours, opt_ref
 
 
+DISTRIBUTED = ["--use-distributed-optimizer"]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], DISTRIBUTED], ids=["float16", "distributed"])
 @pytest.mark.parametrize("clip", [1e-3, 1.0e6], ids=["clipped", "unclipped"])
-def test_matches_megatrons_step(mp, clip):
-    _check_against_megatron(clip)
+def test_matches_megatrons_step(mp, clip, extra):
+    _check_against_megatron(clip, extra)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on CUDA tensors "
                     "(GPU box; on CPU the interpreter runs the same comparison above)")
-def test_matches_megatrons_step_on_the_gpu(mp):
+@pytest.mark.parametrize("extra", [[], DISTRIBUTED], ids=["float16", "distributed"])
+def test_matches_megatrons_step_on_the_gpu(mp, extra):
     from megatron_lrattn.training.optimizer_step import obstacles
 
-    assert obstacles(_build()[1]) == []
-    _check_against_megatron(1e-3)
+    assert obstacles(_build(extra)[1]) == []
+    _check_against_megatron(1e-3, extra)
 
 
-def _check_against_megatron(clip: float):
-    history, opt_ours, opt_ref = _train_pair(clip)
+def _check_against_megatron(clip: float, extra=()):
+    history, opt_ours, opt_ref = _train_pair(clip, extra=extra)
     for i, (losses, a, b) in enumerate(history):
         assert losses[0] == pytest.approx(losses[1], rel=1e-3), (i, losses)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), i
@@ -165,8 +175,8 @@ def test_where_it_does_not_apply_the_reasons_are_named(mp):
     inner.float16_groups[0][0].grad_norm_group = "mtp"
     assert "parameters in a separately clipped gradient-norm group" in obstacles(optimizer)
     _, fp32_opt, _ = _build(bf16=False)
-    assert any("is not megatron's Float16OptimizerWithFloat16Params" in w
-               for w in obstacles(fp32_opt))
+    assert any("is neither megatron's Float16OptimizerWithFloat16Params nor its "
+               "DistributedOptimizer" in w for w in obstacles(fp32_opt))
 
 
 @pytest.mark.slow

@@ -241,15 +241,14 @@ def wrap_model(model, config: LRAttnResConfig, args):
 def torch_adamw_for_fused_step(args: argparse.Namespace, bf16: bool) -> bool:
     """Whether megatron-core must build torch's ``AdamW`` (not TE's or Apex's ``FusedAdam``,
     which it picks when either is installed) because the run will step it with the one-kernel
-    step (``megatron_lrattn.training.optimizer_step``): CUDA, bf16, no distributed optimizer,
-    Triton present, the step not turned off. The kernel replaces the inner optimizer's step
+    step (``megatron_lrattn.training.optimizer_step``): CUDA, bf16, Triton present, the step
+    not turned off. The kernel replaces the inner optimizer's step
     and keeps torch's state layout (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``)."""
     import importlib.util
 
     from megatron_lrattn.training.fusions import fused_optimizer_step
 
-    return bool(torch.cuda.is_available() and bf16
-                and not args.use_distributed_optimizer and fused_optimizer_step(args)
+    return bool(torch.cuda.is_available() and bf16 and fused_optimizer_step(args)
                 and importlib.util.find_spec("triton") is not None)
 
 

@@ -74,8 +74,8 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
                    help="keep megatron-core's optimizer step (clipping, AdamW, copy into the "
                         "bf16 model weights: three passes). Default: one Triton kernel where "
                         "megatron-core's optimizer is its Float16OptimizerWithFloat16Params "
-                        "around torch's AdamW (CUDA, bf16, without "
-                        "--use-distributed-optimizer; the log says why not otherwise)")
+                        "or DistributedOptimizer around torch's AdamW (CUDA, bf16; the log "
+                        "says why not otherwise)")
     add_cuda_graph_args(g)
 
 

@@ -1,8 +1,9 @@
 """megatron-core's mixed-precision optimizer step as one kernel after the gradient norm.
 
 megatron-core's ``Float16OptimizerWithFloat16Params`` (bf16 model weights, fp32 main
-weights, the optimizer of every run without ``--use-distributed-optimizer``) steps in three
-passes after the gradient norm: the clipping scales the fp32 gradients in place, torch's
+weights, the optimizer of every run without ``--use-distributed-optimizer``) and its
+``DistributedOptimizer`` (the same, with each data-parallel rank owning a shard of the main
+weights and the moments) step in three passes after the gradient norm: the clipping scales the fp32 gradients in place, torch's
 AdamW updates the main weights and moments, and the main weights are copied into the bf16
 model weights. ``MixedPrecisionAdamW`` replaces the three by ``megatron_lrattn.ops.adamw``
 (one Triton kernel: the clipping factor applied in registers, the bf16 copy written in the
@@ -11,10 +12,16 @@ gradient norm (the value the loop logs) and the clipping factor's formula, and t
 optimizer's parameter groups and state, so checkpoints, the LR schedule and a run that
 continues on another path are unchanged.
 
-It is the default (``--no-fused-optimizer-step`` keeps megatron's step). It applies on CUDA where the optimizer
-is that class (or megatron's chain of them) around torch's ``AdamW`` and the model weights
-are bf16; ``mixed_precision_adamw`` says why not otherwise, and the run keeps megatron's
-own step.
+With the distributed optimizer the kernel writes each rank's shard of the bf16 weights into
+megatron's parameter buffer, where megatron's own copy would, and megatron's
+``step_with_ready_grads`` then runs with its update and copy stood in for by no-ops, so the
+parameter all-gather happens as megatron-core schedules it (at once, or in the next forward
+with ``--overlap-param-gather``).
+
+It is the default (``--no-fused-optimizer-step`` keeps megatron's step). It applies on CUDA
+where the optimizer is one of those classes (or megatron's chain of them) around torch's
+``AdamW`` and the model weights are bf16; ``mixed_precision_adamw`` says why not otherwise,
+and the run keeps megatron's own step.
 """
 
 from __future__ import annotations
@@ -37,16 +44,44 @@ def _parts(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def obstacles(optimizer) -> List[str]:
-    """Why ``MixedPrecisionAdamW`` cannot step ``optimizer`` (empty: it can)."""
+def _kind(part) -> Optional[str]:
+    """``"float16"`` (megatron's ``Float16OptimizerWithFloat16Params``), ``"distributed"``
+    (its ``DistributedOptimizer``) or None for any other class."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
+    return {Float16OptimizerWithFloat16Params: "float16",
+            DistributedOptimizer: "distributed"}.get(type(part))
+
+
+def _model_main_pairs(part) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(model weights, fp32 main weights) of one megatron optimizer: with the distributed
+    optimizer, this rank's shard of each weight in the DDP parameter buffer (where
+    megatron's copy writes it before the parameter all-gather) and its main shard."""
+    if _kind(part) == "float16":
+        return [(model, main)
+                for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups)
+                for model, main in zip(models, mains)]
+    out = []
+    for models, mains in zip(part.model_float16_groups, part.shard_fp32_from_float16_groups):
+        for model, main in zip(models, mains):
+            world = part._get_model_param_range_map(model)["gbuf_world_in_bucket"]
+            gbuf, _, bucket = part.model_param_gbuf_map[model]
+            data = part.buffers[gbuf].buckets[bucket].param_data
+            out.append((data.view(-1)[world.start:world.end], main))
+    return out
+
+
+def obstacles(optimizer) -> List[str]:
+    """Why ``MixedPrecisionAdamW`` cannot step ``optimizer`` (empty: it can)."""
     out = []
     if importlib.util.find_spec("triton") is None:
         out.append("Triton is not installed")
     for part in _parts(optimizer):
-        if type(part) is not Float16OptimizerWithFloat16Params:
-            out.append(f"{type(part).__name__} is not megatron's Float16OptimizerWithFloat16Params")
+        kind = _kind(part)
+        if kind is None:
+            out.append(f"{type(part).__name__} is neither megatron's "
+                       "Float16OptimizerWithFloat16Params nor its DistributedOptimizer")
             continue
         if getattr(part, "is_stub_optimizer", False):
             out.append("an optimizer without parameters")
@@ -66,7 +101,18 @@ def obstacles(optimizer) -> List[str]:
             for key in ("amsgrad", "maximize", "differentiable"):
                 if g.get(key):
                     out.append(f"AdamW with {key}")
-        models = [p for g in part.float16_groups for p in g]
+        if kind == "distributed":
+            ddp = part.ddp_config
+            if getattr(ddp, "use_megatron_fsdp", False):
+                out.append("Megatron-FSDP")
+            if getattr(ddp, "fp8_param_gather", False) or getattr(
+                    cfg, "reuse_grad_buf_for_mxfp8_param_ag", False):
+                out.append("FP8 parameter all-gather")
+            if any(g for g in part.model_fp32_groups):
+                out.append("model weights in torch.float32")
+            models = [p for g in part.model_float16_groups for p in g]
+        else:
+            models = [p for g in part.float16_groups for p in g]
         other = sorted({str(p.dtype) for p in models if p.dtype != torch.bfloat16})
         if other:
             out.append(f"model weights in {', '.join(other)}")
@@ -88,9 +134,7 @@ class MixedPrecisionAdamW:
         self.optimizer = optimizer
         self.parts = []
         for part in _parts(optimizer):
-            model_of = {id(main): model
-                        for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups)
-                        for model, main in zip(models, mains)}
+            model_of = {id(main): model for model, main in _model_main_pairs(part)}
             self.parts.append((part, model_of, adamw.AdamWTable()))
         self._normalize_state()
 
@@ -152,7 +196,28 @@ class MixedPrecisionAdamW:
                     scale = coeff
             hyper = adamw.hyper_table(part.optimizer.param_groups, scale, tensors[0].param.device)
             adamw.multi_tensor_adamw(tensors, hyper, table, tables)
+        for part, _, _ in self.parts:
+            if _kind(part) == "distributed":
+                _gather_params(part)
         return True, grad_norm, num_zeros
+
+
+def _gather_params(part) -> None:
+    """The rest of megatron's ``DistributedOptimizer.step_with_ready_grads`` once the kernel
+    has written this rank's shards into the parameter buffer: the parameter all-gather
+    (now, or in the next forward with ``--overlap-param-gather``), as the megatron-core
+    version at hand does it. Its own update and copy are stood in for by no-ops for the
+    call."""
+    def nothing(*args, **kwargs):
+        return None
+
+    part.optimizer.step = nothing
+    part._copy_main_params_to_model_params = nothing
+    try:
+        part.step_with_ready_grads()
+    finally:
+        del part.optimizer.step
+        del part._copy_main_params_to_model_params
 
 
 def mixed_precision_adamw(optimizer, enabled: bool = True
