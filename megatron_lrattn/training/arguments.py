@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Dict, Optional, Sequence, Set
 
@@ -148,8 +149,9 @@ def build_parser(preset: Optional[str] = None) -> argparse.ArgumentParser:
                    help="a non-finite loss or gradient: stop with an error naming the iteration "
                         "and tensor, or skip the optimizer step (default: stop)")
     g.add_argument("--deterministic", action="store_true",
-                   help="deterministic algorithms only (torch, cuBLAS workspace, no TF32): the "
-                        "same seed and layout give bit-identical losses (default: off)")
+                   help="deterministic algorithms only (torch, cuBLAS workspace, no TF32, "
+                        "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 for TE): the same seed and layout "
+                        "give bit-identical losses (default: off)")
     g.add_argument("--seed", type=int, default=1234,
                    help="seed of the initial weights and the data order (default: 1234)")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
@@ -410,6 +412,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     _check_data_flags(args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather requires --use-distributed-optimizer")
+    te_switch = os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    if args.deterministic and te_switch not in (None, "0"):
+        raise ArgumentError(f"--deterministic: NVTE_ALLOW_NONDETERMINISTIC_ALGO={te_switch} "
+                            "allows Transformer Engine's non-deterministic attention; unset "
+                            "it or set 0")
     return args
 
 

@@ -7,7 +7,10 @@ What it sets, before anything touches CUDA:
 - ``torch.use_deterministic_algorithms(True)``: an op without a deterministic
   implementation raises instead of silently varying,
 - cuDNN deterministic, benchmark off, TF32 off,
-- ``deterministic_mode`` in megatron's config (its layers pick deterministic paths).
+- ``deterministic_mode`` in megatron's config (its layers pick deterministic paths),
+- ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for Transformer Engine's attention (megatron-core
+  refuses deterministic mode with the TE spec otherwise); a value other than 0 set by the
+  user is an error.
 
 Seeds are fixed by the runtime in every run (``--seed``, offset per pipeline stage). The
 depth-read kernels reduce without atomics, so the fused path needs no exception. On the CPU
@@ -24,6 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CUBLAS_WORKSPACES = (":4096:8", ":16:8")
+TE_SWITCH = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
 
 
 def enable_deterministic() -> None:
@@ -31,7 +35,13 @@ def enable_deterministic() -> None:
 
     Call before the first CUDA operation of the process: cuBLAS reads the workspace
     setting when its handle is created.
+
+    Raises:
+        ValueError: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` is set to something other than 0.
     """
+    if os.environ.setdefault(TE_SWITCH, "0") != "0":
+        raise ValueError(f"--deterministic: {TE_SWITCH}={os.environ[TE_SWITCH]} allows "
+                         "Transformer Engine's non-deterministic attention; unset it or set 0")
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACES[0]
     torch.use_deterministic_algorithms(True)
