@@ -85,12 +85,6 @@ class LRAttnResConfig(TransformerConfig):
     the logits instead of their fp32 softmax (``--cross-entropy-fusion-impl triton``, the
     command lines' default on CUDA)."""
 
-    liger_rms_norm: bool = False
-    """The local spec's RMSNorm modules run Liger-Kernel's Triton RMSNorm on CUDA inputs
-    (``megatron_lrattn.model.norms``; fp32 arithmetic as torch's, one backward pass for the
-    input and weight gradients). The command lines turn it on where Liger-Kernel is
-    installed (``--no-rms-norm-fusion``)."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.residual not in RESIDUAL_MODES:

@@ -10,12 +10,7 @@ partial sum over that rank's tokens. Megatron's ``finalize_model_grads`` all-red
 gradients of parameters carrying ``sequence_parallel = True`` across the tensor-parallel
 group; this module sets that attribute and is otherwise ``torch.nn.RMSNorm`` /
 ``torch.nn.LayerNorm`` (identical numerics to ``WrappedTorchNorm`` without sequence
-parallelism). On CUDA with ``config.liger_rms_norm`` (the command lines' default where
-Liger-Kernel is installed, ``--no-rms-norm-fusion`` to keep torch's kernels) the RMSNorm
-runs Liger-Kernel's Triton RMSNorm: the same fp32 arithmetic (the "gemma" casting mode:
-normalised and scaled in fp32, rounded once), and a backward that writes the input gradient
-and per-program partial sums of the weight gradient in one pass, where torch's runs a
-second reduction kernel for the weight.
+parallelism).
 """
 
 from __future__ import annotations
@@ -34,29 +29,12 @@ class RMSNorm(torch.nn.RMSNorm):
     pre-hooks run first: megatron's DDP waits there for the overlapped all-gather of the
     parameter's bucket (``--overlap-param-gather``), and reading ``norm.weight`` directly
     could see the previous step's values.
-
-    Args (besides ``torch.nn.RMSNorm``'s):
-        fused: on CUDA inputs, Liger-Kernel's Triton RMSNorm (module docstring).
     """
-
-    def __init__(self, *args, fused: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.fused = fused
 
     def forward(self, x: Optional[Tensor]) -> Tensor:
         """Args: x [..., d], or None for the weight [d]. Returns: the normalised x, or the
         weight."""
-        if x is None:
-            return self.weight
-        if (self.fused and x.is_cuda and self.weight is not None
-                and len(self.normalized_shape) == 1):
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            # offset 0, fp32 arithmetic rounded once ("gemma"), the gradient of the output
-            # left intact (not in place: autograd may still hold it)
-            return LigerRMSNormFunction.apply(x, self.weight, eps, 0.0, "gemma", False)
-        return super().forward(x)
+        return self.weight if x is None else super().forward(x)
 
 
 class SequenceParallelTorchNorm:
@@ -90,8 +68,7 @@ class SequenceParallelTorchNorm:
                 f"{', '.join(refused)} is not supported by the PyTorch norm of the local spec"
             )
         if config.normalization == "RMSNorm":
-            norm = RMSNorm(hidden_size, eps=eps,
-                           fused=bool(getattr(config, "liger_rms_norm", False)))
+            norm = RMSNorm(hidden_size, eps=eps)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:

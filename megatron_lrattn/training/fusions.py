@@ -12,8 +12,7 @@ nothing. The rotary embedding is fused: with the local spec in the SDPA core
 to the rotated q, k and v, where megatron-core takes it); ``--no-rope-fusion`` keeps
 megatron-core's unfused rotary embedding in both. ``--no-bias-swiglu-fusion``,
 ``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``, ``--no-cross-entropy-loss-fusion``
-and ``--no-fused-adamw`` turn each one off. The local spec's RMSNorm runs Liger-Kernel's Triton
-kernels where it is installed (``megatron_lrattn.model.norms``; ``--no-rms-norm-fusion``). The fused
+and ``--no-fused-adamw`` turn each one off. The fused
 cross entropy is ``megatron_lrattn.ops.cross_entropy`` (Triton, one pass over the logits; the
 backward keeps the logits instead of an fp32 softmax); ``--cross-entropy-fusion-impl
 native`` keeps megatron-core's compiled one. The training
@@ -30,7 +29,6 @@ graph (``megatron_lrattn.training.cuda_graph``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 from typing import Dict
 
@@ -63,9 +61,6 @@ def add_fusion_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-rope-fusion", dest="rope_fusion", action="store_false",
                    help="megatron-core's unfused rotary embedding (default: fused; the local "
                         "spec in its SDPA core, the TE spec with TE's fused RoPE kernels)")
-    g.add_argument("--no-rms-norm-fusion", dest="rms_norm_fusion", action="store_false",
-                   help="torch's RMSNorm kernels in the local spec (default: Liger-Kernel's "
-                        "Triton RMSNorm where it is installed)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="add each weight gradient to the fp32 gradient buffer in a separate "
@@ -102,12 +97,6 @@ def fusion_config(args: argparse.Namespace, cuda: bool) -> Dict[str, object]:
             out["triton_cross_entropy"] = True
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         out.update(te_rope_fusion(args))
-    elif (getattr(args, "rms_norm_fusion", True)
-          and getattr(args, "normalization", "RMSNorm") == "RMSNorm"):
-        if importlib.util.find_spec("liger_kernel") is not None:
-            out["liger_rms_norm"] = True
-        else:
-            logger.info("RMSNorm: torch's kernels (Liger-Kernel is not installed)")
     return out
 
 
