@@ -455,3 +455,63 @@ def test_train_step_checks_the_norm_before_the_update(monkeypatch, norm, policy,
         assert result.grad_norm == (norm if result.ok else None)
     assert fake.calls == calls
     assert Sched.steps == (1 if calls[-1] == "step" else 0)
+
+
+@pytest.mark.parametrize("stats,policy,outcome", [
+    ((2.0, 0.5, 1.0), "stop", "stepped"),
+    ((float("nan"), 0.5, 0.0), "skip", "loss is nan; gradients are finite"),
+    ((2.0, float("inf"), 0.0), "skip", "gradients are finite"),
+    ((2.0, float("inf"), 0.0), "stop", "raises"),
+])
+def test_a_captured_step_is_read_once_and_checked_on_its_norm(monkeypatch, stats, policy,
+                                                             outcome):
+    """The step inside a CUDA graph hands back [loss, norm, stepped]: a stepped step
+    advances the LR schedule; one the kernel did not step is reported (skip) or stops
+    (stop) as an eager one, and the schedule stays."""
+    import torch
+
+    from megatron_lrattn.training import numerics, step as step_mod
+    from megatron_lrattn.training.numerics import NonFiniteError
+
+    class Sched:
+        steps = 0
+
+        def step(self, increment):
+            Sched.steps += increment
+
+    monkeypatch.setattr(numerics, "grads_finite", lambda models: pytest.fail("a gradient pass"))
+    ts = step_mod.TrainStep(config=None, models=[torch.nn.Linear(2, 2)], optimizer=None,
+                            scheduler=Sched(), num_params=6, step_kwargs={},
+                            forward_step=None, on_nonfinite=policy)
+    t = torch.tensor(stats, dtype=torch.float64)
+    if outcome == "raises":
+        with pytest.raises(NonFiniteError, match="iteration 4"):
+            ts._after_captured_step(t, 4)
+        assert Sched.steps == 0
+        return
+    result = ts._after_captured_step(t, 4)
+    assert (result.loss, result.ok) == (stats[0], outcome == "stepped") or stats[0] != stats[0]
+    if outcome == "stepped":
+        assert result.grad_norm == 0.5 and result.nonfinite is None and Sched.steps == 1
+    else:
+        assert result.nonfinite == outcome and result.grad_norm is None and Sched.steps == 0
+
+
+def test_the_optimizer_step_joins_the_graph_only_where_it_can(monkeypatch):
+    from megatron_lrattn.training import faults
+    from megatron_lrattn.training.step import captured_update_obstacles
+
+    class Fused:
+        def __init__(self, why):
+            self.why = why
+
+        def capture_obstacles(self):
+            return list(self.why)
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert captured_update_obstacles(Fused([])) == []
+    assert captured_update_obstacles(Fused(["log_num_zeros_in_grad"])) == [
+        "log_num_zeros_in_grad"]
+    assert "not the one-kernel step" in captured_update_obstacles(None)[0]
+    monkeypatch.setenv(faults.ENV, "inf_grad@3")
+    assert faults.ENV in captured_update_obstacles(Fused([]))[0]
