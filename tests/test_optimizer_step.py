@@ -100,11 +100,7 @@ def _train_pair(clip: float, steps: int = 3, extra=()):
         for a, b in zip(ddp_ours.buffers, ddp_ref.buffers):
             a.grad_data.copy_(b.grad_data)
         ok_ref, norm_ref, _ = opt_ref.step()
-        # every other step as the training step calls it: the norm first (for the
-        # finiteness check), then the update
-        first = ours_step.grad_norm() if len(history) % 2 else None
         ok_ours, norm_ours, _ = ours_step()
-        assert first is None or first == norm_ours
         assert ok_ref and ok_ours
         sched_ref.step(increment=1)
         sched_ours.step(increment=1)

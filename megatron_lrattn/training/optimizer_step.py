@@ -136,7 +136,6 @@ class MixedPrecisionAdamW:
         for part in _parts(optimizer):
             model_of = {id(main): model for model, main in _model_main_pairs(part)}
             self.parts.append((part, model_of, adamw.AdamWTable()))
-        self._pending = None
         self._normalize_state()
 
     def _normalize_state(self) -> None:
@@ -173,17 +172,11 @@ class MixedPrecisionAdamW:
         return out
 
     @torch.no_grad()
-    def grad_norm(self) -> float:
-        """The step's first half: megatron's gradient preparation and gradient norm (one pass
-        over the gradients, reduced so that every rank holds the same value), kept for the
-        next call, which then launches the update. NaN when the preparation found an
-        overflow. The training step checks the gradients' finiteness on this value instead
-        of a pass of its own (``numerics.check_step``); ``discard`` drops it when the step
-        is skipped."""
+    def __call__(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        from megatron_lrattn.ops import adamw
         opt = self.optimizer
         if opt.prepare_grads():
-            self._pending = (None, math.nan)
-            return math.nan
+            return False, None, None
         # the host's share first, while the GPU may still run the backward: the norm's
         # read waits for it
         launches = []
@@ -193,21 +186,6 @@ class MixedPrecisionAdamW:
                 launches.append((part, tensors, table,
                                  table.tables(tensors, tensors[0].param.device)))
         grad_norm = opt.get_grad_norm()
-        self._pending = (launches, grad_norm)
-        return float(grad_norm)
-
-    def discard(self) -> None:
-        """Forget the norm of ``grad_norm`` (the step is skipped)."""
-        self._pending = None
-
-    def __call__(self) -> Tuple[bool, Optional[float], Optional[float]]:
-        from megatron_lrattn.ops import adamw
-        opt = self.optimizer
-        if self._pending is None:
-            self.grad_norm()
-        (launches, grad_norm), self._pending = self._pending, None
-        if launches is None:
-            return False, None, None
         num_zeros = opt.count_zeros() if opt.config.log_num_zeros_in_grad else None
         for part, tensors, table, tables in launches:
             scale = 1.0

@@ -234,19 +234,9 @@ class TrainStep:
         faults.poison_grads(self.models)
         faults.interrupt()
         loss = reduce_loss(losses)
-        # the one-kernel step's gradient norm first: the finiteness check reads it
-        norm_first = getattr(self.optimizer_step, "grad_norm", None)
-        try:
-            nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite,
-                                   grad_norm=norm_first() if norm_first else None)
-        except BaseException:
-            if norm_first:
-                self.optimizer_step.discard()
-            raise
+        nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite)
         if nonfinite is not None:
             # Skipped: optimizer, parameters and LR schedule stay as they were.
-            if norm_first:
-                self.optimizer_step.discard()
             return StepResult(loss, False, None, nonfinite)
         ok, grad_norm, _ = (self.optimizer_step or self.optimizer.step)()
         self.scheduler.step(increment=1)
