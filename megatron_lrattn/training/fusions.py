@@ -175,8 +175,8 @@ def add_cuda_graph_args(group) -> None:
     group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="auto",
                        help="full_iteration: capture the training step's forward and backward "
                             "in one CUDA graph and replay it (CUDA, one pipeline stage, no "
-                            "dropout; both specs, FP8 included); auto: full_iteration where it applies, "
-                            "else none (default: auto)")
+                            "dropout; both specs, FP8 included); auto: full_iteration where "
+                            "it applies, else none (default: auto)")
     group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
                        help="eager training steps before the capture (default: 3)")
 
