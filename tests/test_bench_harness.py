@@ -502,3 +502,29 @@ def test_optimizer_benchmark_smoke_checks_the_kernel_before_timing(tmp_path):
     assert all(r["check"].startswith("ok") and r["gpu"] == "cpu-interpreter" and r["git_sha"]
                for r in rows), rows
     assert len({r["params"] for r in rows}) == 1 and int(rows[0]["params"]) > 0
+
+
+HOST = ROOT / "benchmarks" / "bench_host.py"
+
+
+def test_host_benchmark_times_each_part_and_refuses_bad_flags(tmp_path):
+    """bench_host.py: one row per part with provenance and the preset's tensor count; a bad
+    flag or an unwritable CSV path is one error line before anything is built."""
+    out = tmp_path / "host.csv"
+    proc = subprocess.run([sys.executable, str(HOST), "--presets", "tiny", "--rounds", "1",
+                           "--csv", str(out)], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["part"] for r in rows] == ["prepare_grads", "launch tensors", "launch tables",
+                                         "grads for norm", "zero_grad", "zero_grad_buffer"]
+    assert all(r["gpu"].startswith("host: ") and r["git_sha"] and float(r["ms"]) > 0
+               and r["tensors"] == str(2 + 1 + 4 * 6) for r in rows), rows
+    for argv, needle in ((["--rounds", "0"], "not a positive integer"),
+                         (["--presets", "nope"], "invalid choice"),
+                         (["--csv", str(tmp_path)], "is a directory")):
+        proc = subprocess.run([sys.executable, str(HOST), *argv], capture_output=True,
+                              text=True, env=ENV, cwd=ROOT, timeout=120)
+        last = proc.stderr.rstrip().splitlines()[-1]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and needle in last, (
+            argv, proc.stderr[-1000:])
