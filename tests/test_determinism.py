@@ -35,8 +35,20 @@ def test_a_te_switch_that_allows_nondeterminism_is_refused(monkeypatch, restore_
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
     with pytest.raises(ArgumentError, match="NVTE_ALLOW_NONDETERMINISTIC_ALGO=1"):
         parse_args(["--preset", "tiny", "--deterministic"])
-    with pytest.raises(ValueError, match="NVTE_ALLOW_NONDETERMINISTIC_ALGO=1"):
+    with pytest.raises(ArgumentError, match="NVTE_ALLOW_NONDETERMINISTIC_ALGO=1"):
         determinism.enable_deterministic()
     assert parse_args(["--preset", "tiny"]).deterministic is False  # only with the flag
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     assert parse_args(["--preset", "tiny", "--deterministic"]).deterministic
+
+
+def test_lrattn_profile_reports_the_te_switch_in_one_line():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NVTE_ALLOW_NONDETERMINISTIC_ALGO="1")
+    proc = subprocess.run([sys.executable, "-m", "megatron_lrattn.cli.profile", "--preset",
+                           "tiny", "--deterministic", "--steps", "1"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO=1" in proc.stderr.rstrip().splitlines()[-1]

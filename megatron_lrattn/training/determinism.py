@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from megatron_lrattn.training.arg_types import ArgumentError
+
 logger = logging.getLogger(__name__)
 
 CUBLAS_WORKSPACES = (":4096:8", ":16:8")
@@ -37,10 +39,11 @@ def enable_deterministic() -> None:
     setting when its handle is created.
 
     Raises:
-        ValueError: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` is set to something other than 0.
+        ArgumentError: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` is set to something other than 0
+            (the command lines report it in one line).
     """
     if os.environ.setdefault(TE_SWITCH, "0") != "0":
-        raise ValueError(f"--deterministic: {TE_SWITCH}={os.environ[TE_SWITCH]} allows "
+        raise ArgumentError(f"--deterministic: {TE_SWITCH}={os.environ[TE_SWITCH]} allows "
                          "Transformer Engine's non-deterministic attention; unset it or set 0")
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACES[0]
