@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 class ArgumentError(ValueError):
     """A bad command-line value; the message names the flag and what is allowed."""
+
+
+TE_DETERMINISM_SWITCH = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+
+
+def check_te_determinism_switch() -> None:
+    """``--deterministic``'s check of Transformer Engine's switch: unset or 0.
+
+    Raises:
+        ArgumentError: the variable allows TE's non-deterministic attention.
+    """
+    value = os.environ.get(TE_DETERMINISM_SWITCH)
+    if value not in (None, "0"):
+        raise ArgumentError(f"--deterministic: {TE_DETERMINISM_SWITCH}={value} allows "
+                            "Transformer Engine's non-deterministic attention; unset it or "
+                            "set 0")
 
 
 def positive_int(text: str) -> int:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Dict, Optional, Sequence, Set
 
 from megatron_lrattn.training.arg_types import (
     ArgumentError,
+    check_te_determinism_switch,
     nonnegative_int,
     positive_float,
     positive_int,
@@ -412,11 +412,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     _check_data_flags(args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather requires --use-distributed-optimizer")
-    te_switch = os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
-    if args.deterministic and te_switch not in (None, "0"):
-        raise ArgumentError(f"--deterministic: NVTE_ALLOW_NONDETERMINISTIC_ALGO={te_switch} "
-                            "allows Transformer Engine's non-deterministic attention; unset "
-                            "it or set 0")
+    if args.deterministic:
+        check_te_determinism_switch()
     return args
 
 

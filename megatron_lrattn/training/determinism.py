@@ -24,12 +24,11 @@ import os
 
 import torch
 
-from megatron_lrattn.training.arg_types import ArgumentError
+from megatron_lrattn.training.arg_types import TE_DETERMINISM_SWITCH, check_te_determinism_switch
 
 logger = logging.getLogger(__name__)
 
 CUBLAS_WORKSPACES = (":4096:8", ":16:8")
-TE_SWITCH = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
 
 
 def enable_deterministic() -> None:
@@ -42,9 +41,8 @@ def enable_deterministic() -> None:
         ArgumentError: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO`` is set to something other than 0
             (the command lines report it in one line).
     """
-    if os.environ.setdefault(TE_SWITCH, "0") != "0":
-        raise ArgumentError(f"--deterministic: {TE_SWITCH}={os.environ[TE_SWITCH]} allows "
-                         "Transformer Engine's non-deterministic attention; unset it or set 0")
+    check_te_determinism_switch()
+    os.environ[TE_DETERMINISM_SWITCH] = "0"
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACES[0]
     torch.use_deterministic_algorithms(True)

@@ -3,9 +3,9 @@
 megatron-core's ``Float16OptimizerWithFloat16Params`` (bf16 model weights, fp32 main
 weights, the optimizer of every run without ``--use-distributed-optimizer``) and its
 ``DistributedOptimizer`` (the same, with each data-parallel rank owning a shard of the main
-weights and the moments) step in three passes after the gradient norm: the clipping scales the fp32 gradients in place, torch's
-AdamW updates the main weights and moments, and the main weights are copied into the bf16
-model weights. ``MixedPrecisionAdamW`` replaces the three by ``megatron_lrattn.ops.adamw``
+weights and the moments) step in three passes after the gradient norm: the clipping scales
+the fp32 gradients in place, torch's AdamW updates the main weights and moments, and the
+main weights are copied into the bf16 model weights. ``MixedPrecisionAdamW`` replaces the three by ``megatron_lrattn.ops.adamw``
 (one Triton kernel: the clipping factor applied in registers, the bf16 copy written in the
 same pass), and keeps everything else of megatron's step: its gradient preparation, its
 gradient norm (the value the loop logs) and the clipping factor's formula, and the torch
