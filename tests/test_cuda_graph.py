@@ -129,7 +129,7 @@ def cache_dir(tmp_path_factory, new_cache):
     return new_cache(tmp_path_factory.mktemp("lrattn_cache"))
 
 
-def _losses(tmp_path, cache_dir, name, extra):
+def _losses(tmp_path, cache_dir, name, extra, logged=None):
     metrics = tmp_path / f"{name}.jsonl"
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_lrattn.cli.pretrain", *SMALL, *extra,
@@ -137,6 +137,7 @@ def _losses(tmp_path, cache_dir, name, extra):
         env=cli_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rc, out, err = finish(proc)
     assert rc == 0, err[-3000:]
+    assert logged is None or logged in err + out, (logged, err[-3000:])
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r["loss"] for r in rows if r.get("type") == "train"]
 
@@ -149,9 +150,12 @@ def _losses(tmp_path, cache_dir, name, extra):
                                   ["--residual", "lr_attnres", "--key", "projected",
                                    "--rank", "16"]])
 def test_captured_steps_train_like_eager_steps(tmp_path, cache_dir, mode):
+    """The whole step in the graph (forward, backward, loss, gradient norm and the
+    one-kernel optimizer step): the same losses as eager steps."""
     eager = _losses(tmp_path, cache_dir, "eager", [*mode, "--cuda-graph-impl", "none"])
     graph = _losses(tmp_path, cache_dir, "graph", [*mode, "--cuda-graph-impl", "full_iteration",
-                                        "--cuda-graph-warmup-steps", "2"])
+                                        "--cuda-graph-warmup-steps", "2"],
+                    logged="loss, gradient norm and optimizer step in a CUDA graph")
     assert len(eager) == len(graph) == 8
     # The same kernels on the same inputs: the replayed steps (3 to 8) equal the eager run.
     assert graph == eager, (eager, graph)

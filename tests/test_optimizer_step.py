@@ -66,9 +66,12 @@ def _snapshot(optimizer, grad_norm):
                for k in ("exp_avg", "exp_avg_sq", "step")})
 
 
-def _train_pair(clip: float, steps: int = 3, extra=()):
+def _train_pair(clip: float, steps: int = 3, extra=(), captured: bool = False):
     """Both paths from the same weights; each step, ours gets the reference's gradients
-    (the bf16 forward would otherwise amplify last-bit differences of the weights)."""
+    (the bf16 forward would otherwise amplify last-bit differences of the weights).
+    ``captured``: after the first step, ours runs as recorded into the step's CUDA graph
+    (``prepare_capture`` once, then ``load_hyperparameters`` and ``captured_update`` with
+    the loss as a device scalar; here without a graph, the same device work)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
@@ -100,7 +103,21 @@ def _train_pair(clip: float, steps: int = 3, extra=()):
         for a, b in zip(ddp_ours.buffers, ddp_ref.buffers):
             a.grad_data.copy_(b.grad_data)
         ok_ref, norm_ref, _ = opt_ref.step()
-        ok_ours, norm_ours, _ = ours_step()
+        if captured and history:
+            if len(history) == 1:
+                ours_step.prepare_capture()
+            ours_step.load_hyperparameters()
+            stats = ours_step.captured_update(torch.tensor(losses[1], dtype=torch.float64,
+                                                           device=dev))
+            loss_ours, norm_ours, stepped = stats.tolist()
+            assert loss_ours == losses[1] and stepped == 1.0
+            ok_ours = True
+        else:
+            # every other step as the training step calls it: the norm first (for the
+            # finiteness check), then the update
+            first = ours_step.grad_norm() if len(history) % 2 else None
+            ok_ours, norm_ours, _ = ours_step()
+            assert first is None or first == norm_ours
         assert ok_ref and ok_ours
         sched_ref.step(increment=1)
         sched_ours.step(increment=1)
@@ -118,6 +135,45 @@ def test_matches_megatrons_step(mp, clip, extra):
     _check_against_megatron(clip, extra)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [1e-3, 1.0e6], ids=["clipped", "unclipped"])
+def test_the_captured_update_matches_megatrons_step(mp, clip):
+    """The device-only update of the step's CUDA graph (norm, clipping factor and the
+    decision to step computed on the device) gives megatron's step."""
+    _check_against_megatron(clip, captured=True)
+
+
+def test_the_captured_update_leaves_a_nonfinite_step_untouched(mp):
+    """A non-finite loss or gradient norm: [loss, norm, 0] comes back and weights, moments,
+    bf16 weights and step counts are as they were; the next finite step steps."""
+    from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
+
+    ddp, opt, _ = _build(["--clip-grad", "1.0"])
+    step = MixedPrecisionAdamW(opt)
+    gen = torch.Generator().manual_seed(3)
+    for b in ddp.buffers:
+        b.grad_data.copy_(torch.randn(b.grad_data.shape, generator=gen) * 1e-2)
+    assert step()[0]  # an eager first step creates the moments
+    step.prepare_capture()
+    for bad in ("loss", "grad"):
+        before = _snapshot(opt, 0.0)
+        loss = torch.tensor(float("nan") if bad == "loss" else 2.0, dtype=torch.float64)
+        if bad == "grad":
+            ddp.buffers[0].grad_data[5] = float("inf")
+        step.load_hyperparameters()
+        loss_out, norm, stepped = step.captured_update(loss).tolist()
+        assert stepped == 0.0 and (bad == "grad") == (norm == float("inf")), (bad, norm)
+        after = _snapshot(opt, 0.0)
+        for key in ("model", "main"):
+            assert all(torch.equal(x, y) for x, y in zip(after[key], before[key])), (bad, key)
+        for key, xs in after["state"].items():
+            assert all(torch.equal(x, y) for x, y in zip(xs, before["state"][key])), (bad, key)
+    ddp.buffers[0].grad_data[5] = 0.0
+    step.load_hyperparameters()
+    assert step.captured_update(torch.tensor(2.0, dtype=torch.float64)).tolist()[2] == 1.0
+    assert all(float(x) == 2.0 for x in _snapshot(opt, 0.0)["state"]["step"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on CUDA tensors "
                     "(GPU box; on CPU the interpreter runs the same comparison above)")
@@ -129,8 +185,8 @@ def test_matches_megatrons_step_on_the_gpu(mp, extra):
     _check_against_megatron(1e-3, extra)
 
 
-def _check_against_megatron(clip: float, extra=()):
-    history, opt_ours, opt_ref = _train_pair(clip, extra=extra)
+def _check_against_megatron(clip: float, extra=(), captured: bool = False):
+    history, opt_ours, opt_ref = _train_pair(clip, extra=extra, captured=captured)
     for i, (losses, a, b) in enumerate(history):
         assert losses[0] == pytest.approx(losses[1], rel=1e-3), (i, losses)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), i
@@ -301,3 +357,14 @@ def test_distributed_optimizer_shards_match_megatrons_step(tmp_path):
     mp.spawn(_sharded_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == "ok", rank
+
+
+def test_the_update_joins_the_graph_except_with_the_distributed_optimizer(mp):
+    from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
+
+    assert MixedPrecisionAdamW(_build()[1]).capture_obstacles() == []
+    why = MixedPrecisionAdamW(_build(DISTRIBUTED)[1]).capture_obstacles()
+    assert len(why) == 1 and "--use-distributed-optimizer" in why[0]
+    opt = _build()[1]
+    _inner(opt).config.log_num_zeros_in_grad = True  # megatron's option, set in code
+    assert MixedPrecisionAdamW(opt).capture_obstacles() == ["log_num_zeros_in_grad"]

@@ -361,3 +361,157 @@ def test_nonfinite_check_on_a_plain_module():
     with pytest.raises(NonFiniteError, match=r"iteration 5 \(loss is inf; first non-finite "
                                              r"gradient: bias\)"):
         check_step(float("inf"), [m], 5, "stop")
+
+
+def test_nonfinite_check_on_the_optimizers_gradient_norm(monkeypatch):
+    """With the norm the one-kernel optimizer step computed, the check reads it and makes
+    no pass of its own over the gradients; a non-finite norm is handled as a non-finite
+    gradient (named when found)."""
+    import torch
+
+    from megatron_lrattn.training import numerics
+    from megatron_lrattn.training.numerics import NonFiniteError, check_step
+
+    m = torch.nn.Linear(3, 2)
+    m(torch.ones(1, 3)).sum().backward()
+
+    def no_pass(models):
+        raise AssertionError("grads_finite ran")
+
+    monkeypatch.setattr(numerics, "grads_finite", no_pass)
+    assert check_step(1.0, [m], 5, "stop", grad_norm=2.5) is None
+    assert check_step(1.0, [m], 5, "skip", grad_norm=float("inf")) == "gradients are finite"
+    m.weight.grad[1, 2] = float("inf")
+    assert check_step(1.0, [m], 5, "skip", grad_norm=float("nan")) == (
+        "first non-finite gradient: weight")
+    assert check_step(float("nan"), [m], 5, "skip", grad_norm=1.0) == (
+        "loss is nan; first non-finite gradient: weight")
+    with pytest.raises(NonFiniteError, match="iteration 5"):
+        check_step(1.0, [m], 5, "stop", grad_norm=float("inf"))
+
+
+class _NormFirstStep:
+    """Stands in for ``MixedPrecisionAdamW``: records the order of the loop's calls."""
+
+    def __init__(self, norm):
+        self.norm, self.calls = norm, []
+
+    def grad_norm(self):
+        self.calls.append("grad_norm")
+        return self.norm
+
+    def discard(self):
+        self.calls.append("discard")
+
+    def __call__(self):
+        self.calls.append("step")
+        return True, self.norm, None
+
+
+@pytest.mark.parametrize("norm,policy,calls", [
+    (1.5, "skip", ["grad_norm", "step"]),
+    (float("inf"), "skip", ["grad_norm", "discard"]),
+    (float("nan"), "stop", ["grad_norm", "discard"]),
+])
+def test_train_step_checks_the_norm_before_the_update(monkeypatch, norm, policy, calls):
+    """The training step asks the one-kernel step for its norm, checks it, then updates, or
+    drops the norm when the step is skipped or stopped; the gradients are read once."""
+    import torch
+
+    from megatron_lrattn.training import numerics, step as step_mod
+    from megatron_lrattn.training.numerics import NonFiniteError
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def zero_grad_buffer(self):
+            pass
+
+    class Opt:
+        def zero_grad(self):
+            pass
+
+    class Sched:
+        steps = 0
+
+        def step(self, increment):
+            Sched.steps += increment
+
+    monkeypatch.setattr(step_mod, "reduce_loss", lambda losses: 2.0)
+    monkeypatch.setattr(numerics, "grads_finite", lambda models: pytest.fail("a second pass"))
+    fake = _NormFirstStep(norm)
+    ts = step_mod.TrainStep(config=None, models=[Model()], optimizer=Opt(), scheduler=Sched(),
+                            num_params=6, step_kwargs={}, forward_step=None,
+                            on_nonfinite=policy, optimizer_step=fake)
+    monkeypatch.setattr(ts, "_forward_backward", lambda it, forward_only: [])
+    if policy == "stop":
+        with pytest.raises(NonFiniteError):
+            ts.train(iter([]), 3)
+    else:
+        result = ts.train(iter([]), 3)
+        assert result.ok is (calls[-1] == "step")
+        assert result.grad_norm == (norm if result.ok else None)
+    assert fake.calls == calls
+    assert Sched.steps == (1 if calls[-1] == "step" else 0)
+
+
+@pytest.mark.parametrize("stats,policy,outcome", [
+    ((2.0, 0.5, 1.0), "stop", "stepped"),
+    ((float("nan"), 0.5, 0.0), "skip", "loss is nan; gradients are finite"),
+    ((2.0, float("inf"), 0.0), "skip", "gradients are finite"),
+    ((2.0, float("inf"), 0.0), "stop", "raises"),
+])
+def test_a_captured_step_is_read_once_and_checked_on_its_norm(monkeypatch, stats, policy,
+                                                             outcome):
+    """The step inside a CUDA graph hands back [loss, norm, stepped]: a stepped step
+    advances the LR schedule; one the kernel did not step is reported (skip) or stops
+    (stop) as an eager one, and the schedule stays."""
+    import torch
+
+    from megatron_lrattn.training import numerics, step as step_mod
+    from megatron_lrattn.training.numerics import NonFiniteError
+
+    class Sched:
+        steps = 0
+
+        def step(self, increment):
+            Sched.steps += increment
+
+    monkeypatch.setattr(numerics, "grads_finite", lambda models: pytest.fail("a gradient pass"))
+    ts = step_mod.TrainStep(config=None, models=[torch.nn.Linear(2, 2)], optimizer=None,
+                            scheduler=Sched(), num_params=6, step_kwargs={},
+                            forward_step=None, on_nonfinite=policy)
+    t = torch.tensor(stats, dtype=torch.float64)
+    if outcome == "raises":
+        with pytest.raises(NonFiniteError, match="iteration 4"):
+            ts._after_captured_step(t, 4)
+        assert Sched.steps == 0
+        return
+    result = ts._after_captured_step(t, 4)
+    assert (result.loss, result.ok) == (stats[0], outcome == "stepped") or stats[0] != stats[0]
+    if outcome == "stepped":
+        assert result.grad_norm == 0.5 and result.nonfinite is None and Sched.steps == 1
+    else:
+        assert result.nonfinite == outcome and result.grad_norm is None and Sched.steps == 0
+
+
+def test_the_optimizer_step_joins_the_graph_only_where_it_can(monkeypatch):
+    from megatron_lrattn.training import faults
+    from megatron_lrattn.training.step import captured_update_obstacles
+
+    class Fused:
+        def __init__(self, why):
+            self.why = why
+
+        def capture_obstacles(self):
+            return list(self.why)
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert captured_update_obstacles(Fused([])) == []
+    assert captured_update_obstacles(Fused(["log_num_zeros_in_grad"])) == [
+        "log_num_zeros_in_grad"]
+    assert "not the one-kernel step" in captured_update_obstacles(None)[0]
+    monkeypatch.setenv(faults.ENV, "inf_grad@3")
+    assert faults.ENV in captured_update_obstacles(Fused([]))[0]

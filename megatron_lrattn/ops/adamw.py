@@ -35,8 +35,11 @@ WARPS = 4
 9.9 ms, 2.9 TB/s against a measured 3.0 TB/s copy; 2048 or 8192 elements, or 8 or 16 warps,
 took 10.3-11.4 ms, and 8192 x 4 or 16384 elements spilled registers (25-74 ms)."""
 
-HYPER_COLUMNS = 6
-"""Per parameter group, fp64: lr, weight decay, beta1, beta2, eps, gradient scale."""
+HYPER_COLUMNS = 7
+"""Per parameter group, fp64: lr, weight decay, beta1, beta2, eps, gradient scale, and
+whether to step (1.0; 0.0 leaves weights, moments, model weights and step counts as they
+are: a step whose gradient norm or loss is not finite, decided on the device when the step
+runs inside a CUDA graph)."""
 
 
 @triton.jit
@@ -55,6 +58,7 @@ def adamw_kernel(chunk_tensor, chunk_start, chunk_whole, numels, groups, param_a
     beta2 = tl.load(h + 3)
     eps = tl.load(h + 4).to(tl.float32)
     scale = tl.load(h + 5).to(tl.float32)
+    apply = tl.load(h + 6) != 0.0
     step = tl.load(tl.load(step_addr + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
     # bias corrections in fp64, as torch's fused AdamW computes them
     bias1 = 1.0 - tl.exp(step * tl.log(beta1))
@@ -73,16 +77,17 @@ def adamw_kernel(chunk_tensor, chunk_start, chunk_whole, numels, groups, param_a
     out = tl.load(model_addr + t)
     o_ptr = out.to(tl.pointer_type(tl.uint16))
     has_model = out != 0
-    if tl.load(chunk_whole + pid) != 0:
-        # BLOCK elements from every address, each 16-byte aligned (the table checked): no
-        # mask and alignment hints, so that the accesses are 128 bits wide
-        _update(tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16), tl.multiple_of(m_ptr, 16),
-                tl.multiple_of(v_ptr, 16), tl.multiple_of(o_ptr, 16), has_model,
-                tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK), None, scale, decay, b1,
-                b2, c1, c2, step_size, bias2_sqrt, eps)
-    else:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, has_model, offs, offs < n, scale, decay, b1,
-                b2, c1, c2, step_size, bias2_sqrt, eps)
+    if apply:
+        if tl.load(chunk_whole + pid) != 0:
+            # BLOCK elements from every address, each 16-byte aligned (the table checked): no
+            # mask and alignment hints, so that the accesses are 128 bits wide
+            _update(tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16), tl.multiple_of(m_ptr, 16),
+                    tl.multiple_of(v_ptr, 16), tl.multiple_of(o_ptr, 16), has_model,
+                    tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK), None, scale, decay, b1,
+                    b2, c1, c2, step_size, bias2_sqrt, eps)
+        else:
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, has_model, offs, offs < n, scale, decay, b1,
+                    b2, c1, c2, step_size, bias2_sqrt, eps)
 
 
 @triton.jit
@@ -197,11 +202,18 @@ class AdamWTable:
         return self._tables
 
 
+def hyper_rows(groups: Sequence[dict]) -> List[List[float]]:
+    """Each torch parameter group's lr, weight decay, beta1, beta2 and eps (the first five
+    columns of ``hyper_table``)."""
+    return [[float(g["lr"]), float(g["weight_decay"]), float(g["betas"][0]),
+             float(g["betas"][1]), float(g["eps"])] for g in groups]
+
+
 def hyper_table(groups: Sequence[dict], grad_scale: float, device: torch.device) -> Tensor:
     """[groups, HYPER_COLUMNS] fp64 on ``device``: each torch parameter group's lr, weight
-    decay, betas and eps, and the gradient scale (the clipping factor, 1.0 without)."""
-    rows = [[float(g["lr"]), float(g["weight_decay"]), float(g["betas"][0]),
-             float(g["betas"][1]), float(g["eps"]), float(grad_scale)] for g in groups]
+    decay, betas and eps, the gradient scale (the clipping factor, 1.0 without), and 1.0
+    (step)."""
+    rows = [r + [float(grad_scale), 1.0] for r in hyper_rows(groups)]
     return torch.tensor(rows, dtype=torch.float64).to(device, non_blocking=True)
 
 
@@ -209,7 +221,8 @@ def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
                        table: Optional[AdamWTable] = None,
                        tables: Optional[Tuple[Tensor, ...]] = None) -> None:
     """One AdamW step of every tensor in place (the step scalars are incremented first, as
-    torch does), writing the bf16 model weights where given.
+    torch does), writing the bf16 model weights where given; nothing changes where the
+    table's step column is 0.
 
     Args:
         tensors: the parameters; ``group`` indexes a row of ``hyper``.
@@ -223,7 +236,8 @@ def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
     table = table or AdamWTable()
     if tables is None:
         tables = table.tables(tensors, tensors[0].param.device)
-    torch._foreach_add_([t.step for t in tensors], 1.0)
+    # the step column (1.0 or 0.0, the same in every row) read on the device: no host read
+    torch._foreach_add_([t.step for t in tensors], hyper[0, HYPER_COLUMNS - 1].float())
     adamw_kernel[(table.programs,)](*tables, hyper, BLOCK=BLOCK, HYPER_COLUMNS=HYPER_COLUMNS,
                                     num_warps=WARPS)
 

@@ -5,8 +5,13 @@ on the same memory. After ``--cuda-graph-warmup-steps`` eager steps, the forward
 function of the step (every micro-batch's forward, loss and backward, and the gradient
 reduction megatron-core runs at its end) is captured once into one CUDA graph; each later
 step copies its micro-batches into the graph's static input buffers and replays it, so the
-host no longer issues thousands of launches per step. The optimizer step, the finiteness
-check and the loss reduction stay eager, between replays.
+host no longer issues thousands of launches per step. Where the one-kernel optimizer step
+runs (``training.optimizer_step``; not with the distributed optimizer), the graph holds the
+rest of the step as well (a ``tail``): the loss reduction, megatron's gradient norm and
+clipping factor and the AdamW kernel, which steps only when the loss and the norm are
+finite; the host writes the step's hyperparameters before the replay and reads [loss, norm,
+stepped] once after it, so the GPU does not wait on the host inside the step. Otherwise the
+optimizer step, the finiteness check and the loss reduction stay eager, between replays.
 
 megatron-core has the same capture (``megatron.core.full_cuda_graph``), but it keeps the
 graph, its inputs and its step counter in class attributes shared by the whole process; here
@@ -135,10 +140,13 @@ class StepGraph:
         num_micro: micro-batches per step.
         device: the CUDA device of the batches.
         warmup_steps: eager steps before the capture.
+        tail: the rest of the step recorded after the backward: ``tail(losses) -> Tensor``,
+            with ``tail.prepare()`` called once before the capture and
+            ``tail.before_replay()`` before every replay; None: forward and backward only.
     """
 
     def __init__(self, forward_backward: Callable, num_micro: int, device: torch.device,
-                 warmup_steps: int):
+                 warmup_steps: int, tail=None):
         self.forward_backward = forward_backward
         self.num_micro = num_micro
         self.inputs = StaticBatches(device)
@@ -146,6 +154,11 @@ class StepGraph:
         self.steps = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.losses = None
+        self.tail = tail
+        self._tail_out: Optional[torch.Tensor] = None
+        self.stats: Optional[torch.Tensor] = None
+        """The tail's output of the last call when it replayed the graph, else None (an eager
+        step: the caller runs the rest of the step itself)."""
         self.keep: List[torch.Tensor] = []
         # Largest growth of allocated memory while capturing: the step's activations,
         # which the graph's pool keeps for its replays (the replays themselves allocate
@@ -158,11 +171,17 @@ class StepGraph:
     def __call__(self, data_iterator) -> List[Dict]:
         batches = self.inputs.fill(data_iterator, self.num_micro)
         if self.graph is None and self.steps >= self.warmup_steps:
+            if self.tail is not None:
+                self.tail.prepare()
             self._capture(batches)
         self.steps += 1
         if self.graph is not None:
+            if self.tail is not None:
+                self.tail.before_replay()
             self.graph.replay()
+            self.stats = self._tail_out
             return self.losses
+        self.stats = None
         return self.forward_backward(iter(batches), False)
 
     def _capture(self, batches) -> None:
@@ -175,9 +194,13 @@ class StepGraph:
                 graph, pool=_shared_pool(self), stream=self.stream,
                 capture_error_mode="thread_local"):
             self.losses = self.forward_backward(iter(batches), False)
+            if self.tail is not None:
+                self._tail_out = self.tail(self.losses)
         torch.cuda.synchronize()
         self.capture_peak_bytes = torch.cuda.max_memory_allocated() - before
         self.graph = graph
-        logger.info("captured the training step's forward and backward in a CUDA graph "
-                    "after %d eager steps", self.steps)
+        logger.info("captured the training step's forward and backward%s in a CUDA graph "
+                    "after %d eager steps",
+                    "" if self.tail is None else ", loss, gradient norm and optimizer step",
+                    self.steps)
 

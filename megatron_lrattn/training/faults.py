@@ -41,6 +41,11 @@ def _faults() -> Dict[str, str]:
     return out
 
 
+def active() -> bool:
+    """Whether any fault is configured (``LRATTN_FAULT`` set and not empty)."""
+    return bool(_faults())
+
+
 def _due(name: str, iteration: Optional[int] = None) -> bool:
     value = _faults().get(name)
     it = _iteration if iteration is None else iteration

@@ -3,8 +3,11 @@
 After forward-backward (gradients reduced across data-parallel ranks) and before
 ``optimizer.step()``, every rank sums its contiguous gradient buffers (one pass over the
 gradients, no copy: a sum is finite only when every element is) and all ranks agree with
-one small all-reduce. The loss, already reduced and broadcast, is checked as well. On a
-non-finite value the loop either skips the step (the optimizer's step, its moments and
+one small all-reduce. Where the one-kernel optimizer step runs
+(``training.optimizer_step``), its gradient norm, computed before the update and the same on
+every rank, is checked instead, and the gradients are read once, not twice (inside the
+step's CUDA graph the kernel itself skips the update, and the host checks afterwards). The
+loss, already reduced and broadcast, is checked as well. On a non-finite value the loop either skips the step (the optimizer's step, its moments and
 step counts, the parameters and the LR schedule are not touched) or stops with
 :class:`NonFiniteError`, which names the iteration and the first parameter whose gradient
 holds a non-finite value.
@@ -79,7 +82,8 @@ def first_nonfinite_grad(models) -> Optional[str]:
     return next((n for n in names if n is not None), None)
 
 
-def check_step(loss: float, models, iteration: int, policy: str) -> Optional[str]:
+def check_step(loss: float, models, iteration: int, policy: str,
+               grad_norm: Optional[float] = None) -> Optional[str]:
     """Check the loss and gradients of ``iteration`` before the optimizer step.
 
     Args:
@@ -87,6 +91,10 @@ def check_step(loss: float, models, iteration: int, policy: str) -> Optional[str
         models: the DDP-wrapped model chunks.
         iteration: 1-based number of the iteration being computed.
         policy: ``stop`` or ``skip``.
+        grad_norm: the global gradient norm when the optimizer step computed it already
+            (the same on every rank): the gradients are finite exactly when it is (a
+            sum of squares overflowing fp32, an element above ~1e19, counts as
+            non-finite too), and no pass of its own over the gradients is made.
 
     Returns:
         None when everything is finite; otherwise (policy ``skip``) a short description of
@@ -99,7 +107,8 @@ def check_step(loss: float, models, iteration: int, policy: str) -> Optional[str
     if policy not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite {policy!r}: use one of {ON_NONFINITE}")
     loss_ok = math.isfinite(loss)
-    if grads_finite(models) and loss_ok:
+    grads_ok = grads_finite(models) if grad_norm is None else math.isfinite(grad_norm)
+    if grads_ok and loss_ok:
         return None
     name = first_nonfinite_grad(models)
     parts = [] if loss_ok else [f"loss is {loss}"]

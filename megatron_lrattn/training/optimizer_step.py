@@ -18,6 +18,11 @@ megatron's parameter buffer, where megatron's own copy would, and megatron's
 parameter all-gather happens as megatron-core schedules it (at once, or in the next forward
 with ``--overlap-param-gather``).
 
+Inside the step's CUDA graph (``training.cuda_graph``, without the distributed optimizer)
+the same update runs as device work only (``captured_update``): megatron's gradient norm
+without its host read, the clipping factor and the decision to step (loss and norm finite)
+computed on the device, the hyperparameters refreshed in place before each replay.
+
 It is the default (``--no-fused-optimizer-step`` keeps megatron's step). It applies on CUDA
 where the optimizer is one of those classes (or megatron's chain of them) around torch's
 ``AdamW`` and the model weights are bf16; ``mixed_precision_adamw`` says why not otherwise,
@@ -136,6 +141,8 @@ class MixedPrecisionAdamW:
         for part in _parts(optimizer):
             model_of = {id(main): model for model, main in _model_main_pairs(part)}
             self.parts.append((part, model_of, adamw.AdamWTable()))
+        self._pending = None
+        self._captured: List[dict] = []
         self._normalize_state()
 
     def _normalize_state(self) -> None:
@@ -172,11 +179,17 @@ class MixedPrecisionAdamW:
         return out
 
     @torch.no_grad()
-    def __call__(self) -> Tuple[bool, Optional[float], Optional[float]]:
-        from megatron_lrattn.ops import adamw
+    def grad_norm(self) -> float:
+        """The step's first half: megatron's gradient preparation and gradient norm (one pass
+        over the gradients, reduced so that every rank holds the same value), kept for the
+        next call, which then launches the update. NaN when the preparation found an
+        overflow. The training step checks the gradients' finiteness on this value instead
+        of a pass of its own (``numerics.check_step``); ``discard`` drops it when the step
+        is skipped."""
         opt = self.optimizer
         if opt.prepare_grads():
-            return False, None, None
+            self._pending = (None, math.nan)
+            return math.nan
         # the host's share first, while the GPU may still run the backward: the norm's
         # read waits for it
         launches = []
@@ -186,6 +199,21 @@ class MixedPrecisionAdamW:
                 launches.append((part, tensors, table,
                                  table.tables(tensors, tensors[0].param.device)))
         grad_norm = opt.get_grad_norm()
+        self._pending = (launches, grad_norm)
+        return float(grad_norm)
+
+    def discard(self) -> None:
+        """Forget the norm of ``grad_norm`` (the step is skipped)."""
+        self._pending = None
+
+    def __call__(self) -> Tuple[bool, Optional[float], Optional[float]]:
+        from megatron_lrattn.ops import adamw
+        opt = self.optimizer
+        if self._pending is None:
+            self.grad_norm()
+        (launches, grad_norm), self._pending = self._pending, None
+        if launches is None:
+            return False, None, None
         num_zeros = opt.count_zeros() if opt.config.log_num_zeros_in_grad else None
         for part, tensors, table, tables in launches:
             scale = 1.0
@@ -200,6 +228,96 @@ class MixedPrecisionAdamW:
             if _kind(part) == "distributed":
                 _gather_params(part)
         return True, grad_norm, num_zeros
+
+    # -- the update inside the step's CUDA graph (training.cuda_graph) -------------------
+
+    def capture_obstacles(self) -> List[str]:
+        """Why the update cannot run inside the step's CUDA graph (empty: it can)."""
+        out = []
+        for part, _, _ in self.parts:
+            if _kind(part) != "float16":
+                out.append("--use-distributed-optimizer (its parameter all-gather runs from "
+                           "the host)")
+            if part.config.log_num_zeros_in_grad:
+                out.append("log_num_zeros_in_grad")
+        return list(dict.fromkeys(out))
+
+    @torch.no_grad()
+    def prepare_capture(self) -> None:
+        """Host set-up of the captured update, once, after eager steps and before the
+        capture: megatron's gradient preparation (which points the main weights' gradients
+        at the fp32 gradient buffer, whose addresses the graph keeps), the launch tables,
+        the gradients of megatron's norm with their reduction group, and one device row of
+        hyperparameters per parameter group that ``load_hyperparameters`` refreshes before
+        every replay."""
+        from megatron_lrattn.ops import adamw
+        if self.optimizer.prepare_grads():
+            raise RuntimeError("prepare_capture: the gradient preparation found an overflow")
+        self._captured = []
+        for part, model_of, table in self.parts:
+            tensors = self._tensors(part, model_of)
+            if not tensors:
+                continue
+            device = tensors[0].param.device
+            self._captured.append(dict(
+                part=part, tensors=tensors, table=table,
+                tables=table.tables(tensors, device),
+                hyper=adamw.hyper_table(part.optimizer.param_groups, 1.0, device).clone(),
+                grads=part.get_main_grads_for_grad_norm(),
+                group=part.get_grad_stats_parallel_group()))
+
+    def load_hyperparameters(self) -> None:
+        """Before a replay (stream-ordered, no host wait): each group's lr, weight decay,
+        betas and eps as the LR schedule left them into the captured rows."""
+        from megatron_lrattn.ops import adamw
+        for c in self._captured:
+            rows = torch.tensor(adamw.hyper_rows(c["part"].optimizer.param_groups),
+                                dtype=torch.float64)
+            c["hyper"][:, :5].copy_(rows, non_blocking=True)
+
+    @torch.no_grad()
+    def captured_update(self, loss: torch.Tensor) -> torch.Tensor:
+        """The optimizer step as device work only, recorded into the step's CUDA graph after
+        the backward: megatron's gradient norm (its multi-tensor L2 norm and the reduction
+        over its group, without the host read), megatron's clipping factor, and the kernel,
+        which steps only when the norm and ``loss`` (a device scalar) are finite and leaves
+        everything as it was otherwise.
+
+        Returns:
+            [loss, gradient norm, 1.0 stepped / 0.0 not] (fp64, on the device): the host
+            reads it once after the replay.
+        """
+        import torch.distributed as dist
+        from megatron.core.optimizer import clip_grads
+
+        from megatron_lrattn.ops import adamw
+        device = self._captured[0]["hyper"].device
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        by_group: dict = {}
+        for c in self._captured:  # one norm per reduction group, as megatron's chain
+            by_group.setdefault(id(c["group"]), (c["group"], []))[1].extend(c["grads"])
+        for group, grads in by_group.values():
+            if grads:
+                flag = torch.zeros(1, dtype=torch.int, device=device)
+                norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, flag,
+                                                          [grads], False)
+                total = norm.float() ** 2
+            else:
+                total = torch.zeros(1, dtype=torch.float32, device=device)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            squares = squares + total.double().reshape(())
+        grad_norm = squares.sqrt()
+        stepped = (torch.isfinite(grad_norm) & torch.isfinite(loss)).double()
+        for c in self._captured:
+            clip = c["part"].config.clip_grad
+            scale = torch.ones((), dtype=torch.float64, device=device)
+            if clip > 0.0:  # megatron's clipping factor, applied below 1
+                scale = torch.clamp(clip / (grad_norm + 1.0e-6), max=1.0)
+            c["hyper"][:, 5] = scale
+            c["hyper"][:, 6] = stepped
+            adamw.multi_tensor_adamw(c["tensors"], c["hyper"], c["table"], c["tables"])
+        return torch.stack([loss.double().reshape(()), grad_norm, stepped])
 
 
 def _gather_params(part) -> None:

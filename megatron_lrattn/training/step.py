@@ -11,6 +11,7 @@ the finiteness check of loss and gradients (``--on-nonfinite``), then the optimi
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, List, Optional
@@ -37,6 +38,8 @@ from megatron_lrattn.training.builder import (
 )
 from megatron_lrattn.training.numerics import check_step
 from megatron_lrattn.training.optimizer_step import mixed_precision_adamw
+
+logger = logging.getLogger(__name__)
 
 
 def use_bf16(args: argparse.Namespace) -> bool:
@@ -159,6 +162,46 @@ def reduce_loss(losses: List[Dict]) -> float:
     return float(value[0])
 
 
+def device_loss(losses: List[Dict]) -> torch.Tensor:
+    """``reduce_loss`` without the host read, for a step inside a CUDA graph (one pipeline
+    stage): the mean over micro-batches and data-parallel ranks as an fp64 device scalar."""
+    from megatron.core import parallel_state as ps
+
+    value = torch.stack([x["lm loss"].float() for x in losses]).mean().double().reshape(1)
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        dist.all_reduce(value, group=ps.get_data_parallel_group())
+        value = value / dp
+    return value.reshape(())
+
+
+class CapturedOptimizerStep:
+    """The tail of a ``StepGraph``: the loss reduction and the one-kernel optimizer step
+    (``MixedPrecisionAdamW.captured_update``) recorded after the backward."""
+
+    def __init__(self, optimizer_step) -> None:
+        self.optimizer_step = optimizer_step
+
+    def prepare(self) -> None:
+        self.optimizer_step.prepare_capture()
+
+    def before_replay(self) -> None:
+        self.optimizer_step.load_hyperparameters()
+
+    def __call__(self, losses: List[Dict]) -> torch.Tensor:
+        return self.optimizer_step.captured_update(device_loss(losses))
+
+
+def captured_update_obstacles(optimizer_step) -> List[str]:
+    """Why the optimizer step stays out of the step's CUDA graph (empty: it goes in)."""
+    if optimizer_step is None:
+        return ["megatron-core's optimizer step runs (not the one-kernel step)"]
+    out = list(optimizer_step.capture_obstacles())
+    if faults.active():
+        out.append(f"{faults.ENV} is set (its hooks run between the backward and the step)")
+    return out
+
+
 @dataclass
 class StepResult:
     """What one training step did.
@@ -229,18 +272,41 @@ class TrainStep:
         faults.set_iteration(iteration)
         if self.graph is not None:
             losses = self.graph(data_iterator)
+            if self.graph.stats is not None:
+                return self._after_captured_step(self.graph.stats, iteration)
         else:
             losses = self._forward_backward(data_iterator, forward_only=False)
         faults.poison_grads(self.models)
         faults.interrupt()
         loss = reduce_loss(losses)
-        nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite)
+        # the one-kernel step's gradient norm first: the finiteness check reads it
+        norm_first = getattr(self.optimizer_step, "grad_norm", None)
+        try:
+            nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite,
+                                   grad_norm=norm_first() if norm_first else None)
+        except BaseException:
+            if norm_first:
+                self.optimizer_step.discard()
+            raise
         if nonfinite is not None:
             # Skipped: optimizer, parameters and LR schedule stay as they were.
+            if norm_first:
+                self.optimizer_step.discard()
             return StepResult(loss, False, None, nonfinite)
         ok, grad_norm, _ = (self.optimizer_step or self.optimizer.step)()
         self.scheduler.step(increment=1)
         return StepResult(loss, ok, None if grad_norm is None else float(grad_norm), None)
+
+    def _after_captured_step(self, stats: torch.Tensor, iteration: int) -> StepResult:
+        # the step's one host read; the graph's kernel stepped only when both are finite
+        loss, grad_norm, stepped = stats.tolist()
+        if stepped:
+            self.scheduler.step(increment=1)
+            return StepResult(loss, True, grad_norm, None)
+        # weights, moments and step counts are as they were; name what was not finite
+        nonfinite = check_step(loss, self.models, iteration, self.on_nonfinite,
+                               grad_norm=grad_norm)
+        return StepResult(loss, False, None, nonfinite)
 
     def evaluate(self, make_iterator: Callable[[], object], iters: int) -> float:
         """Mean loss of ``iters`` forward-only steps over ``make_iterator()`` (eval mode)."""
@@ -311,6 +377,11 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
                      partial(forward_step, device), args.on_nonfinite)
     step.optimizer_step = mixed_precision_adamw(optimizer, fused_optimizer_step(args))
     if graph:
+        why = captured_update_obstacles(step.optimizer_step)
+        if why:
+            logger.info("CUDA graph: the optimizer step runs eager between replays (%s)",
+                        "; ".join(why))
         step.graph = StepGraph(step._forward_backward, num_micro, device,
-                               args.cuda_graph_warmup_steps)
+                               args.cuda_graph_warmup_steps,
+                               tail=None if why else CapturedOptimizerStep(step.optimizer_step))
     return step

@@ -118,3 +118,23 @@ def test_unaligned_and_partial_blocks_take_the_masked_path():
         _step(gen, ref, opt, ours, table, 0.5)
         _compare(ref, opt, ours)
     assert (table.programs, table.whole) == (6, 2)
+
+
+def test_a_zero_step_column_leaves_everything_as_it_was():
+    """Step column 0 (a non-finite step decided on the device): weights, moments, the bf16
+    copies and the step counts stay as they are, then the next step is the reference's."""
+    gen, ref, opt, ours = _setup()
+    table = adamw.AdamWTable()
+    _step(gen, ref, opt, ours, table, 1.0)
+    before = [[x.clone() for x in (t.param, t.exp_avg, t.exp_avg_sq, t.step)]
+              + [None if t.model is None else t.model.clone()] for t in ours]
+    for t in ours:
+        t.grad.fill_(float("nan"))
+    hyper = adamw.hyper_table(opt.param_groups, float("nan"), DEVICE)
+    hyper[:, adamw.HYPER_COLUMNS - 1] = 0.0
+    adamw.multi_tensor_adamw(ours, hyper, table)
+    for i, (t, b) in enumerate(zip(ours, before)):
+        for x, y in zip((t.param, t.exp_avg, t.exp_avg_sq, t.step, t.model), b):
+            assert y is None or torch.equal(x, y), i
+    _step(gen, ref, opt, ours, table, 1.0)
+    _compare(ref, opt, ours)
