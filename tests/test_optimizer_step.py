@@ -175,6 +175,55 @@ def test_the_captured_update_leaves_a_nonfinite_step_untouched(mp):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a CUDA device "
+                    "(on CPU the same device work runs without a graph above)")
+def test_the_update_recorded_in_a_cuda_graph_skips_a_nonfinite_replay(mp):
+    """The update recorded once into a CUDA graph and replayed: a replay with an infinite
+    gradient leaves weights, moments, bf16 weights and step counts as they were and reports
+    [loss, inf, 0]; the next finite replay steps, with the learning rate written before it."""
+    from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
+
+    ddp, opt, sched = _build(["--clip-grad", "1.0"])
+    step = MixedPrecisionAdamW(opt)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    grads = [b.grad_data for b in ddp.buffers]
+    for g in grads:
+        g.copy_(torch.randn(g.shape, generator=gen, device="cuda") * 1e-2)
+    assert step()[0]  # an eager first step creates the moments
+    sched.step(increment=1)
+    loss = torch.tensor(2.0, dtype=torch.float64, device="cuda")
+    step.prepare_capture()
+    step.load_hyperparameters()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    before = _snapshot(opt, 0.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        stats = step.captured_update(loss)
+    torch.cuda.synchronize()
+    # recording ran nothing: the weights are untouched until the first replay
+    assert all(torch.equal(x, y) for x, y in zip(_snapshot(opt, 0.0)["main"], before["main"]))
+    grads[0][5] = float("inf")
+    step.load_hyperparameters()
+    graph.replay()
+    loss_out, norm, stepped = stats.tolist()
+    assert (loss_out, norm, stepped) == (2.0, float("inf"), 0.0)
+    after = _snapshot(opt, 0.0)
+    for key in ("model", "main"):
+        assert all(torch.equal(x, y) for x, y in zip(after[key], before[key])), key
+    for key, xs in after["state"].items():
+        assert all(torch.equal(x, y) for x, y in zip(xs, before["state"][key])), key
+    grads[0][5] = 0.0
+    step.load_hyperparameters()
+    graph.replay()
+    assert stats.tolist()[2] == 1.0
+    after = _snapshot(opt, 0.0)
+    assert all(float(x) == 2.0 for x in after["state"]["step"])
+    assert any(not torch.equal(x, y) for x, y in zip(after["main"], before["main"]))
+    assert all(torch.equal(m, w.to(torch.bfloat16)) for m, w in zip(after["model"], after["main"]))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel on CUDA tensors "
                     "(GPU box; on CPU the interpreter runs the same comparison above)")
 @pytest.mark.parametrize("extra", [[], DISTRIBUTED], ids=["float16", "distributed"])

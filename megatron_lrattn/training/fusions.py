@@ -179,6 +179,11 @@ def add_cuda_graph_args(group) -> None:
                             "it applies, else none (default: auto)")
     group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
                        help="eager training steps before the capture (default: 3)")
+    group.add_argument("--no-cuda-graph-optimizer-step", action="store_false",
+                       dest="cuda_graph_optimizer_step",
+                       help="keep the loss reduction and the optimizer step out of the CUDA "
+                            "graph, eager between replays (default: inside it where the "
+                            "one-kernel optimizer step runs)")
 
 
 def _cuda_graph_obstacles(args: argparse.Namespace, cuda: bool) -> list:

@@ -192,11 +192,13 @@ class CapturedOptimizerStep:
         return self.optimizer_step.captured_update(device_loss(losses))
 
 
-def captured_update_obstacles(optimizer_step) -> List[str]:
+def captured_update_obstacles(optimizer_step, args=None) -> List[str]:
     """Why the optimizer step stays out of the step's CUDA graph (empty: it goes in)."""
     if optimizer_step is None:
         return ["megatron-core's optimizer step runs (not the one-kernel step)"]
     out = list(optimizer_step.capture_obstacles())
+    if not getattr(args, "cuda_graph_optimizer_step", True):
+        out.append("--no-cuda-graph-optimizer-step")
     if faults.active():
         out.append(f"{faults.ENV} is set (its hooks run between the backward and the step)")
     return out
@@ -377,7 +379,7 @@ def build_train_step(args: argparse.Namespace, config: LRAttnResConfig, vocab_si
                      partial(forward_step, device), args.on_nonfinite)
     step.optimizer_step = mixed_precision_adamw(optimizer, fused_optimizer_step(args))
     if graph:
-        why = captured_update_obstacles(step.optimizer_step)
+        why = captured_update_obstacles(step.optimizer_step, args)
         if why:
             logger.info("CUDA graph: the optimizer step runs eager between replays (%s)",
                         "; ".join(why))
