@@ -131,6 +131,13 @@ def obstacles(optimizer) -> List[str]:
     return list(dict.fromkeys(out))
 
 
+def _grads_for_norm(part) -> list:
+    """The gradients megatron's norm reads (megatron-core 0.19 renamed the method, and there
+    it leaves out only separate norm groups, which multi-token prediction alone registers)."""
+    get = getattr(part, "get_grads_for_grad_norm", None) or part.get_main_grads_for_grad_norm
+    return get()
+
+
 class MixedPrecisionAdamW:
     """Callable like megatron's ``optimizer.step()``: ``(success, grad_norm, num_zeros)``."""
 
@@ -263,7 +270,7 @@ class MixedPrecisionAdamW:
                 part=part, tensors=tensors, table=table,
                 tables=table.tables(tensors, device),
                 hyper=adamw.hyper_table(part.optimizer.param_groups, 1.0, device).clone(),
-                grads=part.get_main_grads_for_grad_norm(),
+                grads=_grads_for_norm(part),
                 group=part.get_grad_stats_parallel_group()))
 
     def load_hyperparameters(self) -> None:
