@@ -138,6 +138,38 @@ def _grads_for_norm(part) -> list:
     return get()
 
 
+def _norm_groups(parts) -> List[Tuple[object, List[torch.Tensor]]]:
+    """(reduction group, gradients) pairs of megatron's gradient norm over ``parts``, one
+    pair per group, as megatron's chained optimizer gathers them."""
+    out: dict = {}
+    for part in parts:
+        group = part.get_grad_stats_parallel_group()
+        out.setdefault(id(group), (group, []))[1].extend(_grads_for_norm(part))
+    return list(out.values())
+
+
+@torch.no_grad()
+def device_grad_norm(groups, device: torch.device) -> torch.Tensor:
+    """megatron's global L2 gradient norm (each group's squared norm summed over its ranks,
+    then summed and rooted) as an fp64 device scalar, without a host read, so that it can
+    be recorded into a CUDA graph: torch's multi-tensor norm per gradient instead of
+    megatron-core's fallback without Apex or TE, which reads every tensor's norm on the
+    host. Collectives run only over groups of more than one rank."""
+    import torch.distributed as dist
+
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for group, grads in groups:
+        if grads:
+            norms = torch._foreach_norm(grads)
+            total = (torch.linalg.vector_norm(torch.stack(norms)).float() ** 2).reshape(1)
+        else:
+            total = torch.zeros(1, dtype=torch.float32, device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        squares = squares + total.double().reshape(())
+    return squares.sqrt()
+
+
 class MixedPrecisionAdamW:
     """Callable like megatron's ``optimizer.step()``: ``(success, grad_norm, num_zeros)``."""
 
@@ -205,9 +237,11 @@ class MixedPrecisionAdamW:
             if tensors:
                 launches.append((part, tensors, table,
                                  table.tables(tensors, tensors[0].param.device)))
-        grad_norm = opt.get_grad_norm()
+        groups = _norm_groups([p for p, _, _ in self.parts])
+        device = next((g[0].device for _, g in groups if g), torch.device("cpu"))
+        grad_norm = float(device_grad_norm(groups, device))
         self._pending = (launches, grad_norm)
-        return float(grad_norm)
+        return grad_norm
 
     def discard(self) -> None:
         """Forget the norm of ``grad_norm`` (the step is skipped)."""
@@ -269,9 +303,8 @@ class MixedPrecisionAdamW:
             self._captured.append(dict(
                 part=part, tensors=tensors, table=table,
                 tables=table.tables(tensors, device),
-                hyper=adamw.hyper_table(part.optimizer.param_groups, 1.0, device).clone(),
-                grads=_grads_for_norm(part),
-                group=part.get_grad_stats_parallel_group()))
+                hyper=adamw.hyper_table(part.optimizer.param_groups, 1.0, device).clone()))
+        self._norm_groups = _norm_groups([c["part"] for c in self._captured])
 
     def load_hyperparameters(self) -> None:
         """Before a replay (stream-ordered, no host wait): each group's lr, weight decay,
@@ -285,8 +318,8 @@ class MixedPrecisionAdamW:
     @torch.no_grad()
     def captured_update(self, loss: torch.Tensor) -> torch.Tensor:
         """The optimizer step as device work only, recorded into the step's CUDA graph after
-        the backward: megatron's gradient norm (its multi-tensor L2 norm and the reduction
-        over its group, without the host read), megatron's clipping factor, and the kernel,
+        the backward: megatron's gradient norm (``device_grad_norm``, without the host read),
+        megatron's clipping factor, and the kernel,
         which steps only when the norm and ``loss`` (a device scalar) are finite and leaves
         everything as it was otherwise.
 
@@ -294,27 +327,9 @@ class MixedPrecisionAdamW:
             [loss, gradient norm, 1.0 stepped / 0.0 not] (fp64, on the device): the host
             reads it once after the replay.
         """
-        import torch.distributed as dist
-        from megatron.core.optimizer import clip_grads
-
         from megatron_lrattn.ops import adamw
         device = self._captured[0]["hyper"].device
-        squares = torch.zeros((), dtype=torch.float64, device=device)
-        by_group: dict = {}
-        for c in self._captured:  # one norm per reduction group, as megatron's chain
-            by_group.setdefault(id(c["group"]), (c["group"], []))[1].extend(c["grads"])
-        for group, grads in by_group.values():
-            if grads:
-                flag = torch.zeros(1, dtype=torch.int, device=device)
-                norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, flag,
-                                                          [grads], False)
-                total = norm.float() ** 2
-            else:
-                total = torch.zeros(1, dtype=torch.float32, device=device)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-            squares = squares + total.double().reshape(())
-        grad_norm = squares.sqrt()
+        grad_norm = device_grad_norm(self._norm_groups, device)
         stepped = (torch.isfinite(grad_norm) & torch.isfinite(loss)).double()
         for c in self._captured:
             clip = c["part"].config.clip_grad
