@@ -198,7 +198,7 @@ def test_the_update_recorded_in_a_cuda_graph_skips_a_nonfinite_replay(mp):
     side.wait_stream(torch.cuda.current_stream())
     before = _snapshot(opt, 0.0)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
         stats = step.captured_update(loss)
     torch.cuda.synchronize()
     # recording ran nothing: the weights are untouched until the first replay

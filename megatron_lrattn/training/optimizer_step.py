@@ -290,7 +290,8 @@ class MixedPrecisionAdamW:
         at the fp32 gradient buffer, whose addresses the graph keeps), the launch tables,
         the gradients of megatron's norm with their reduction group, and one device row of
         hyperparameters per parameter group that ``load_hyperparameters`` refreshes before
-        every replay."""
+        every replay; then the update runs once on a NaN loss, which leaves everything as
+        it was, to load its kernels."""
         from megatron_lrattn.ops import adamw
         if self.optimizer.prepare_grads():
             raise RuntimeError("prepare_capture: the gradient preparation found an overflow")
@@ -305,6 +306,14 @@ class MixedPrecisionAdamW:
                 tables=table.tables(tensors, device),
                 hyper=adamw.hyper_table(part.optimizer.param_groups, 1.0, device).clone()))
         self._norm_groups = _norm_groups([c["part"] for c in self._captured])
+        # once eagerly with a NaN loss, which changes nothing, so that every kernel of the
+        # update is loaded before the capture (a module loaded while capturing invalidates it)
+        if self._captured:
+            device = self._captured[0]["hyper"].device
+            nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+            self.load_hyperparameters()
+            if self.captured_update(nan)[2].item() != 0.0:
+                raise RuntimeError("prepare_capture: the update stepped on a NaN loss")
 
     def load_hyperparameters(self) -> None:
         """Before a replay (stream-ordered, no host wait): each group's lr, weight decay,

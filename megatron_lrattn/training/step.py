@@ -184,6 +184,9 @@ class CapturedOptimizerStep:
 
     def prepare(self) -> None:
         self.optimizer_step.prepare_capture()
+        # the loss reduction's kernels loaded before the capture too
+        device = torch.device("cuda", torch.cuda.current_device())
+        device_loss([{"lm loss": torch.zeros((), device=device)}])
 
     def before_replay(self) -> None:
         self.optimizer_step.load_hyperparameters()
