@@ -237,7 +237,9 @@ def multi_tensor_adamw(tensors: Sequence[AdamWTensors], hyper: Tensor,
     if tables is None:
         tables = table.tables(tensors, tensors[0].param.device)
     # the step column (1.0 or 0.0, the same in every row) read on the device: no host read
-    torch._foreach_add_([t.step for t in tensors], hyper[0, HYPER_COLUMNS - 1].float())
+    # (the list form: torch's overload with one tensor scalar reads it on the host)
+    steps = [t.step for t in tensors]
+    torch._foreach_add_(steps, [hyper[0, HYPER_COLUMNS - 1].float()] * len(steps))
     adamw_kernel[(table.programs,)](*tables, hyper, BLOCK=BLOCK, HYPER_COLUMNS=HYPER_COLUMNS,
                                     num_warps=WARPS)
 
