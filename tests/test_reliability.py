@@ -7,6 +7,8 @@ The runs of one wave start together (they are short: most time is importing mega
 """
 from __future__ import annotations
 
+import argparse
+
 import hashlib
 import json
 import os
@@ -513,5 +515,8 @@ def test_the_optimizer_step_joins_the_graph_only_where_it_can(monkeypatch):
     assert captured_update_obstacles(Fused(["log_num_zeros_in_grad"])) == [
         "log_num_zeros_in_grad"]
     assert "not the one-kernel step" in captured_update_obstacles(None)[0]
+    te = argparse.Namespace(transformer_impl="transformer_engine")
+    assert "TE spec" in captured_update_obstacles(Fused([]), te)[0]
+    assert captured_update_obstacles(Fused([]), argparse.Namespace(transformer_impl="local")) == []
     monkeypatch.setenv(faults.ENV, "inf_grad@3")
     assert faults.ENV in captured_update_obstacles(Fused([]))[0]

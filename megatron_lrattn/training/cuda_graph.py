@@ -6,8 +6,8 @@ function of the step (every micro-batch's forward, loss and backward, and the gr
 reduction megatron-core runs at its end) is captured once into one CUDA graph; each later
 step copies its micro-batches into the graph's static input buffers and replays it, so the
 host no longer issues thousands of launches per step. Where the one-kernel optimizer step
-runs (``training.optimizer_step``; not with the distributed optimizer), the graph holds the
-rest of the step as well (a ``tail``): the loss reduction, megatron's gradient norm and
+runs in the local spec (``training.optimizer_step``; not with the distributed optimizer),
+the graph holds the rest of the step as well (a ``tail``): the loss reduction, megatron's gradient norm and
 clipping factor and the AdamW kernel, which steps only when the loss and the norm are
 finite; the host writes the step's hyperparameters before the replay and reads [loss, norm,
 stepped] once after it, so the GPU does not wait on the host inside the step. Otherwise the

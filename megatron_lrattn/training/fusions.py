@@ -175,15 +175,11 @@ def add_cuda_graph_args(group) -> None:
     group.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="auto",
                        help="full_iteration: capture the training step's forward and backward "
                             "in one CUDA graph and replay it (CUDA, one pipeline stage, no "
-                            "dropout; both specs, FP8 included); auto: full_iteration where "
-                            "it applies, else none (default: auto)")
+                            "dropout; both specs, FP8 included), with the loss reduction and "
+                            "the one-kernel optimizer step inside it in the local spec; auto: "
+                            "full_iteration where it applies, else none (default: auto)")
     group.add_argument("--cuda-graph-warmup-steps", type=int, default=3, metavar="N",
                        help="eager training steps before the capture (default: 3)")
-    group.add_argument("--no-cuda-graph-optimizer-step", action="store_false",
-                       dest="cuda_graph_optimizer_step",
-                       help="keep the loss reduction and the optimizer step out of the CUDA "
-                            "graph, eager between replays (default: inside it where the "
-                            "one-kernel optimizer step runs)")
 
 
 def _cuda_graph_obstacles(args: argparse.Namespace, cuda: bool) -> list:
