@@ -439,14 +439,17 @@ _KERNEL_FLAGS = {
 _KERNEL_PAIRS = [(f, v) for f, vs in _KERNEL_FLAGS.items() for v in vs]
 
 
-@pytest.mark.parametrize("script", [BLOCK, KERNELS, ROOT / "benchmarks" / "bench_optimizer.py"],
-                         ids=["bench_block", "bench_kernels", "bench_optimizer"])
+@pytest.mark.parametrize("script", [BLOCK, KERNELS, ROOT / "benchmarks" / "bench_optimizer.py",
+                                    ROOT / "benchmarks" / "bench_merge_tiles.py"],
+                         ids=["bench_block", "bench_kernels", "bench_optimizer",
+                              "bench_merge_tiles"])
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(pairs=st.lists(st.sampled_from(_KERNEL_PAIRS), max_size=4))
 def test_kernel_benchmarks_fuzzed_flags_run_or_refuse_in_one_line(script, pairs, tmp_path,
                                                                   monkeypatch):
-    """bench_block.py, bench_kernels.py and bench_optimizer.py: any command line reaches the
+    """bench_block.py, bench_kernels.py, bench_optimizer.py and bench_merge_tiles.py: any
+    command line reaches the
     measurement or ends with one error line (argparse's usage errors: usage, then one
     ``error:`` line); never a traceback."""
     argv = ["--smoke"] + [x.replace("{tmp}", str(tmp_path)) for pair in pairs for x in pair
@@ -528,3 +531,15 @@ def test_host_benchmark_times_each_part_and_refuses_bad_flags(tmp_path):
         last = proc.stderr.rstrip().splitlines()[-1]
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and needle in last, (
             argv, proc.stderr[-1000:])
+
+
+def test_merge_tiles_smoke_checks_and_times_the_default(tmp_path):
+    """bench_merge_tiles.py --smoke: the default merge setting at a tiny shape under the
+    interpreter, checked (against itself) and timed, one line and the best lists."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_merge_tiles.py"),
+                           "--smoke"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert any(x.startswith("T=64 d=128 ") and "ok=True" in x for x in lines), proc.stdout
+    assert any(x.startswith("BEST bwd [(") for x in lines), proc.stdout

@@ -73,8 +73,11 @@ class Phase1:
 
 @dataclass(frozen=True)
 class Merge:
-    """Phase-2 merge (and its fused update / RMSNorm): 2048-element tiles, 4 warps, 8
-    backward programs per SM (block fwd+bwd 2.76 ms against 3.38 ms at 4096 / 8 warps)."""
+    """Phase-2 merge (and its fused update / RMSNorm): 1024-element tiles (one token from
+    d = 1024 on), 4 warps, 8 backward programs per SM. H100, the update + norm merge over
+    16384 x 1024 / 16384 x 2048 / 4096 x 3072: backward 130 / 218 / 106 us of device time
+    against 173 / 218 / 148 us with 2048-element tiles and 512 elements per warp, forward
+    within 1 us (``benchmarks/results/merge_tiles_h100_2026-12-07.log``)."""
 
     tokens: int
     warps: int
@@ -186,6 +189,6 @@ def phase1(d: int, r: int, T: int, dtype: torch.dtype) -> Phase1:
 def merge(d: int, T: int) -> Merge:
     """Settings of the merge kernels at width d over T tokens."""
     ov = _given("merge")
-    bt = max(1, min(ov.get("tokens", 2048 // pow2(d)), pow2(max(T, 1))))
-    return Merge(tokens=bt, warps=ov.get("warps", max(4, min(16, bt * pow2(d) // 512))),
+    bt = max(1, min(ov.get("tokens", 1024 // pow2(d)), pow2(max(T, 1))))
+    return Merge(tokens=bt, warps=ov.get("warps", max(4, min(16, bt * pow2(d) // 1024))),
                  programs_per_sm=ov.get("programs_per_sm", 8))

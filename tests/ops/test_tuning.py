@@ -56,7 +56,9 @@ def test_defaults_are_the_measured_winners():
     assert tuning.phase1(4096, 1024, T, bf16).dots_chunk == 512
     assert tuning.phase1(2048, 512, T, torch.float32).logit_precision == "ieee"
     assert tuning.merge(2048, T) == tuning.Merge(tokens=1, warps=4, programs_per_sm=8)
-    assert tuning.merge(256, T) == tuning.Merge(tokens=8, warps=4, programs_per_sm=8)
+    assert tuning.merge(256, T) == tuning.Merge(tokens=4, warps=4, programs_per_sm=8)
+    assert tuning.merge(1024, T) == tuning.Merge(tokens=1, warps=4, programs_per_sm=8)
+    assert tuning.merge(3072, T) == tuning.Merge(tokens=1, warps=4, programs_per_sm=8)
 
 
 def test_tiles_never_outgrow_the_tokens_or_the_row():
@@ -81,7 +83,7 @@ def test_override_refuses_unknown_names_and_restores():
     with tuning.override(merge={"tokens": 2}):
         with tuning.override(merge={"warps": 16}):
             assert tuning.merge(2048, 64) == tuning.Merge(tokens=2, warps=16, programs_per_sm=8)
-        assert tuning.merge(2048, 64) == tuning.Merge(tokens=2, warps=8, programs_per_sm=8)
+        assert tuning.merge(2048, 64) == tuning.Merge(tokens=2, warps=4, programs_per_sm=8)
     assert tuning.merge(2048, 64).tokens == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         tuning.merge(2048, 64).tokens = 2
