@@ -533,6 +533,7 @@ def test_host_benchmark_times_each_part_and_refuses_bad_flags(tmp_path):
             argv, proc.stderr[-1000:])
 
 
+@pytest.mark.slow
 def test_merge_tiles_smoke_checks_and_times_the_default(tmp_path):
     """bench_merge_tiles.py --smoke: the default merge setting at a tiny shape under the
     interpreter, checked (against itself) and timed, one line and the best lists."""
