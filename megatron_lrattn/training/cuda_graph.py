@@ -7,11 +7,12 @@ reduction megatron-core runs at its end) is captured once into one CUDA graph; e
 step copies its micro-batches into the graph's static input buffers and replays it, so the
 host no longer issues thousands of launches per step. Where the one-kernel optimizer step
 runs in the local spec (``training.optimizer_step``; not with the distributed optimizer),
-the graph holds the rest of the step as well (a ``tail``): the loss reduction, megatron's gradient norm and
-clipping factor and the AdamW kernel, which steps only when the loss and the norm are
-finite; the host writes the step's hyperparameters before the replay and reads [loss, norm,
-stepped] once after it, so the GPU does not wait on the host inside the step. Otherwise the
-optimizer step, the finiteness check and the loss reduction stay eager, between replays.
+the graph holds the rest of the step as well (a ``tail``): the loss reduction, megatron's
+gradient norm and clipping factor and the AdamW kernel, which steps only when the loss and
+the norm are finite; the host writes the step's hyperparameters before the replay and reads
+[loss, norm, stepped] once after it, so the GPU does not wait on the host inside the step.
+Otherwise the optimizer step, the finiteness check and the loss reduction stay eager,
+between replays.
 
 megatron-core has the same capture (``megatron.core.full_cuda_graph``), but it keeps the
 graph, its inputs and its step counter in class attributes shared by the whole process; here

@@ -2,15 +2,15 @@
 
 After forward-backward (gradients reduced across data-parallel ranks) and before
 ``optimizer.step()``, every rank sums its contiguous gradient buffers (one pass over the
-gradients, no copy: a sum is finite only when every element is) and all ranks agree with
-one small all-reduce. Where the one-kernel optimizer step runs
-(``training.optimizer_step``), its gradient norm, computed before the update and the same on
-every rank, is checked instead, and the gradients are read once, not twice (inside the
-step's CUDA graph the kernel itself skips the update, and the host checks afterwards). The
-loss, already reduced and broadcast, is checked as well. On a non-finite value the loop either skips the step (the optimizer's step, its moments and
-step counts, the parameters and the LR schedule are not touched) or stops with
-:class:`NonFiniteError`, which names the iteration and the first parameter whose gradient
-holds a non-finite value.
+gradients, no copy: a sum is finite only when every element is) and all ranks agree with one
+small all-reduce. Where the one-kernel optimizer step runs (``training.optimizer_step``),
+its gradient norm, computed before the update and the same on every rank, is checked
+instead, and the gradients are read once, not twice (inside the step's CUDA graph the kernel
+itself skips the update, and the host checks afterwards). The loss, already reduced and
+broadcast, is checked as well. On a non-finite value the loop either skips the step (the
+optimizer's step, its moments and step counts, the parameters and the LR schedule are not
+touched) or stops with :class:`NonFiniteError`, which names the iteration and the first
+parameter whose gradient holds a non-finite value.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ weights, the optimizer of every run without ``--use-distributed-optimizer``) and
 ``DistributedOptimizer`` (the same, with each data-parallel rank owning a shard of the main
 weights and the moments) step in three passes after the gradient norm: the clipping scales
 the fp32 gradients in place, torch's AdamW updates the main weights and moments, and the
-main weights are copied into the bf16 model weights. ``MixedPrecisionAdamW`` replaces the three by ``megatron_lrattn.ops.adamw``
-(one Triton kernel: the clipping factor applied in registers, the bf16 copy written in the
-same pass), and keeps everything else of megatron's step: its gradient preparation, its
-gradient norm (the value the loop logs) and the clipping factor's formula, and the torch
-optimizer's parameter groups and state, so checkpoints, the LR schedule and a run that
-continues on another path are unchanged.
+main weights are copied into the bf16 model weights. ``MixedPrecisionAdamW`` replaces the
+three by ``megatron_lrattn.ops.adamw`` (one Triton kernel: the clipping factor applied in
+registers, the bf16 copy written in the same pass), and keeps everything else of megatron's
+step: its gradient preparation, its gradient norm (the value the loop logs) and the clipping
+factor's formula, and the torch optimizer's parameter groups and state, so checkpoints, the
+LR schedule and a run that continues on another path are unchanged.
 
 With the distributed optimizer the kernel writes each rank's shard of the bf16 weights into
 megatron's parameter buffer, where megatron's own copy would, and megatron's
