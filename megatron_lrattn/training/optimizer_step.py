@@ -8,8 +8,8 @@ the fp32 gradients in place, torch's AdamW updates the main weights and moments,
 main weights are copied into the bf16 model weights. ``MixedPrecisionAdamW`` replaces the
 three by ``megatron_lrattn.ops.adamw`` (one Triton kernel: the clipping factor applied in
 registers, the bf16 copy written in the same pass), and keeps everything else of megatron's
-step: its gradient preparation, its gradient norm (the value the loop logs) and the clipping
-factor's formula, and the torch optimizer's parameter groups and state, so checkpoints, the
+step: its gradient preparation, its gradient norm (the same formula, computed on the
+device by ``device_grad_norm``; the value the loop logs) and the clipping factor's formula, and the torch optimizer's parameter groups and state, so checkpoints, the
 LR schedule and a run that continues on another path are unchanged.
 
 With the distributed optimizer the kernel writes each rank's shard of the bf16 weights into
@@ -219,7 +219,8 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def grad_norm(self) -> float:
-        """The step's first half: megatron's gradient preparation and gradient norm (one pass
+        """The step's first half: megatron's gradient preparation and its gradient norm
+        (``device_grad_norm``, one pass
         over the gradients, reduced so that every rank holds the same value), kept for the
         next call, which then launches the update. NaN when the preparation found an
         overflow. The training step checks the gradients' finiteness on this value instead
