@@ -1,8 +1,9 @@
-"""The phase-2 merge's tile settings at each preset's shape: the update + RMSNorm merge
+"""The phase-2 merge's launch settings at each preset's shape: the update + RMSNorm merge
 (``depth_merge_update`` with ``norm_weight``, sliced keys r = d/4) forward and backward under
-every (tokens, warps, backward programs per SM) of a small grid, each checked against the
-current default's outputs and gradients and timed by device time (torch.profiler, every
-kernel of the call); one line per setting, then the three fastest backward and forward.
+every (backward warps, backward programs per SM, backward prefetch) of a small grid, each
+checked against the current default's outputs and gradients and timed by device time
+(torch.profiler, every kernel of the call); one line per setting, then the three fastest
+backward and forward. The same widths with r = d (Block AttnRes) follow, default only.
 
     python benchmarks/bench_merge_tiles.py        # GPU: 0.5b, 1b and 4b shapes
     TRITON_INTERPRET=1 python benchmarks/bench_merge_tiles.py --smoke   # CPU: one tiny shape
@@ -49,10 +50,11 @@ def sweep(T: int, d: int, r: int, grid: bool) -> None:
 
     default = tuning.merge(d, T)
     settings = [dict(tokens=default.tokens, warps=default.warps,
-                     programs_per_sm=default.programs_per_sm)]
+                     programs_per_sm=default.programs_per_sm, bwd_warps=default.bwd_warps,
+                     prefetch=default.prefetch)]
     if grid:
-        settings += [dict(tokens=bt, warps=wp, programs_per_sm=pp) for bt, wp, pp in
-                     itertools.product([1, 2, 4], [2, 4, 8], [4, 8, 16])]
+        settings += [dict(tokens=1, bwd_warps=bw, programs_per_sm=pp, prefetch=pf)
+                     for bw, pp, pf in itertools.product([2, 4, 8], [4, 8], [False, True])]
     ref, rows = None, []
     for s in settings:
         with tuning.override(merge=s):
@@ -79,9 +81,11 @@ def main() -> None:
     args = ap.parse_args()
     bc.start("bench_merge_tiles", args.smoke, 1)
     cuda = bc.DEVICE == "cuda"
-    for T, d, r in ([(16384, 1024, 256), (16384, 2048, 512), (4096, 3072, 768)] if cuda
-                    else [(64, 128, 32)]):
-        sweep(T, d, r, grid=cuda)
+    for T, d, r, grid in ([(16384, 1024, 256, True), (16384, 2048, 512, True),
+                           (4096, 3072, 768, True), (16384, 1024, 1024, False),
+                           (16384, 2048, 2048, False), (4096, 3072, 3072, False)] if cuda
+                          else [(64, 128, 32, False)]):
+        sweep(T, d, r, grid=grid)
 
 
 if __name__ == "__main__":

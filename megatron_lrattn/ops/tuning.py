@@ -74,14 +74,20 @@ class Phase1:
 @dataclass(frozen=True)
 class Merge:
     """Phase-2 merge (and its fused update / RMSNorm): 1024-element tiles (one token from
-    d = 1024 on), 4 warps, 8 backward programs per SM. H100, the update + norm merge over
-    16384 x 1024 / 16384 x 2048 / 4096 x 3072: backward 130 / 218 / 106 us of device time
-    against 173 / 218 / 148 us with 2048-element tiles and 512 elements per warp, forward
-    within 1 us (``benchmarks/results/merge_tiles_h100_2026-12-07.log``)."""
+    d = 1024 on), 4 warps forward. The backward's persistent programs (8 per SM) load the
+    next token block while they compute the current one (``prefetch``) where a thread holds
+    at most 16 elements of a row with it: 2 warps up to 1024-element tiles, 4 at 2048; the
+    4096-element tile (d = 3072) keeps 4 warps without it (its rows held twice spill).
+    H100, the update + norm merge, sliced keys r = d/4, backward device time at
+    16384 x 1024 / 16384 x 2048 / 4096 x 3072: 94 / 165 / 104 us, against 108 / 194 / 105
+    without the prefetch at 4 warps and 130 / 218 / 106 with the key read as a second load
+    (``benchmarks/results/merge_prefetch_h100_2026-12-07.log``)."""
 
     tokens: int
     warps: int
     programs_per_sm: int
+    bwd_warps: int
+    prefetch: bool
 
 
 _TABLES = {"token_tiled": TokenTiled, "source_tiled_fwd": SourceTiled,
@@ -190,5 +196,9 @@ def merge(d: int, T: int) -> Merge:
     """Settings of the merge kernels at width d over T tokens."""
     ov = _given("merge")
     bt = max(1, min(ov.get("tokens", 1024 // pow2(d)), pow2(max(T, 1))))
-    return Merge(tokens=bt, warps=ov.get("warps", max(4, min(16, bt * pow2(d) // 1024))),
-                 programs_per_sm=ov.get("programs_per_sm", 8))
+    tile = bt * pow2(d)
+    warps = ov.get("warps", max(4, min(16, tile // 1024)))
+    prefetch = ov.get("prefetch", tile <= 2048)
+    return Merge(tokens=bt, warps=warps, programs_per_sm=ov.get("programs_per_sm", 8),
+                 bwd_warps=ov.get("bwd_warps", max(2, tile // 512) if prefetch else warps),
+                 prefetch=prefetch)

@@ -37,12 +37,13 @@ def conversions(kernel, constexprs, warps):
 
 d, projected = int(sys.argv[1]), sys.argv[2] == "1"
 out = {}
-for kernel, flags in ((merge_fwd_kernel, {"UPDATE": not projected}),
-                      (merge_bwd_kernel, {"ADD_GP": True})):
+for kernel in (merge_fwd_kernel, merge_bwd_kernel):
     for r in (32, d // 4):
         cfg, tiles = launch(d, r, 4096)
+        flags, warps = ((dict(UPDATE=not projected), cfg.warps) if kernel is merge_fwd_kernel
+                        else (dict(ADD_GP=True, PREFETCH=cfg.prefetch), cfg.bwd_warps))
         c = dict(PROJECTED=projected, NORM=True, **flags, **tiles)
-        out[f"{kernel.fn.__name__} r={r}"] = conversions(kernel, c, cfg.warps)
+        out[f"{kernel.fn.__name__} r={r}"] = conversions(kernel, c, warps)
 print(json.dumps(out))
 """
 

@@ -2,6 +2,7 @@
 benchmarks and tests use."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ def test_defaults_are_the_measured_winners():
     warps, 4 backward programs per SM; source-tiled one source per step, 4 warps, 8 backward
     programs per SM; phase-1 logits 128 tokens x 32 columns, values 512 columns / 2 warps,
     dots 256 columns (d/8 above 2048), key-column gradients 256 / 1 warp, groups of 8;
-    merges 2048-element tiles, 4 warps, 8 programs per SM."""
+    merges 1024-element tiles, 4 warps, 8 backward programs per SM that prefetch with 16
+    elements of a row per thread up to 2048-element tiles."""
     T, bf16 = 16384, torch.bfloat16
     assert tuning.token_tiled(256, T) == tuning.TokenTiled(tokens=8, warps=4, programs_per_sm=4)
     for d in (512, 2048, 4096, 8192):
@@ -55,10 +57,11 @@ def test_defaults_are_the_measured_winners():
         256, 1, 4, 8, 8)
     assert tuning.phase1(4096, 1024, T, bf16).dots_chunk == 512
     assert tuning.phase1(2048, 512, T, torch.float32).logit_precision == "ieee"
-    assert tuning.merge(2048, T) == tuning.Merge(tokens=1, warps=4, programs_per_sm=8)
-    assert tuning.merge(256, T) == tuning.Merge(tokens=4, warps=4, programs_per_sm=8)
-    assert tuning.merge(1024, T) == tuning.Merge(tokens=1, warps=4, programs_per_sm=8)
-    assert tuning.merge(3072, T) == tuning.Merge(tokens=1, warps=4, programs_per_sm=8)
+    merge = functools.partial(tuning.Merge, warps=4, programs_per_sm=8)
+    assert tuning.merge(256, T) == merge(tokens=4, bwd_warps=2, prefetch=True)
+    assert tuning.merge(1024, T) == merge(tokens=1, bwd_warps=2, prefetch=True)
+    assert tuning.merge(2048, T) == merge(tokens=1, bwd_warps=4, prefetch=True)
+    assert tuning.merge(3072, T) == merge(tokens=1, bwd_warps=4, prefetch=False)
 
 
 def test_tiles_never_outgrow_the_tokens_or_the_row():
@@ -82,8 +85,10 @@ def test_override_refuses_unknown_names_and_restores():
             pass
     with tuning.override(merge={"tokens": 2}):
         with tuning.override(merge={"warps": 16}):
-            assert tuning.merge(2048, 64) == tuning.Merge(tokens=2, warps=16, programs_per_sm=8)
-        assert tuning.merge(2048, 64) == tuning.Merge(tokens=2, warps=4, programs_per_sm=8)
+            assert tuning.merge(2048, 64) == tuning.Merge(
+                tokens=2, warps=16, programs_per_sm=8, bwd_warps=16, prefetch=False)
+        assert tuning.merge(2048, 64) == tuning.Merge(
+            tokens=2, warps=4, programs_per_sm=8, bwd_warps=4, prefetch=False)
     assert tuning.merge(2048, 64).tokens == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         tuning.merge(2048, 64).tokens = 2

@@ -238,3 +238,38 @@ def test_merge_with_fused_rmsnorm_parity_large_bf16(name, update):
                           "d2048_attnres": (4096, 2048, 2048, False),
                           "d4096_projected": (2048, 4096, 1024, True)}[name]
     check_merge_norm(T, d, r, 5, projected, torch.bfloat16, "triton", update)
+
+
+@pytest.mark.parametrize("projected", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["sliced", "projected"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_merge_backward_prefetch_changes_no_bit(projected, norm):
+    """The backward that loads the next token block ahead (``tuning.Merge.prefetch``) and
+    the one that loads each block when it reaches it give the same gradients bit for bit,
+    with more blocks than programs (the loop and its last, masked prefetch), 1 and 4 tokens
+    per block."""
+    from megatron_lrattn.ops import tuning
+
+    T, d, r = 23, 64, 16
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    out, part, upd, g, g_p = (randn(gen, T, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = randn(gen, T)
+    query = randn(gen, r)
+    pkey = randn(gen, T, r, dtype=torch.bfloat16) if projected else None
+    w = (1.0 + 0.5 * randn(gen, d)).to(torch.bfloat16) if norm else None
+    leaves = [query, out, lse, part, upd, *([pkey] if projected else []),
+              *([w] if norm else [])]
+    for t in leaves:
+        t.requires_grad_()
+
+    def run(**settings):
+        with tuning.override(merge=settings):
+            h, P = depth_merge_update(out, lse, part, upd, query, pkey, backend="triton",
+                                      norm_weight=w, norm_eps=1e-5 if norm else None)
+            return [h, P, *torch.autograd.grad([h, P], leaves, [g, g_p])]
+
+    for tokens in (1, 4):
+        ref = run(tokens=tokens, prefetch=False)
+        got = run(tokens=tokens, prefetch=True)
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.equal(a, b), (tokens, i)

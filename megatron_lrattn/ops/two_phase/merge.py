@@ -30,31 +30,35 @@ from megatron_lrattn.ops.validation import check_envelope, check_norm
 
 
 @triton.jit
-def _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr, rows64, rmask, rcols, d, r,
-             eps, scale, PROJECTED: tl.constexpr, y_ptr=None, y_stride=0,
-             UPDATE: tl.constexpr = False):
-    # kf: [BT, BR] key of P; rstd, l_P, a_o = e^(lse-m)/sum, a_p = 1 - a_o: [BT]
-    # UPDATE (sliced): P is p + y, rounded to the activation dtype as the add would be
-    km = rmask[:, None] & (rcols < r)[None, :]
+def _key_sums(pf, q, qd, keycol, kp_ptr, kp_stride, rows64, rmask, rcols, r,
+              PROJECTED: tl.constexpr):
+    # (<k, k>, <k, q>) per row of P's key [BT]; sliced keys come from P's loaded rows pf
+    # (fp32, [BT, BD]) with the query spread over the key columns qd (zero elsewhere), so
+    # that no second key load and no layout of rank width is needed; a projected key is
+    # loaded, [BT, BR], and returned as kf for the backward (pf otherwise)
     if PROJECTED:
-        kf = tl.load(kp_ptr + rows64[:, None] * kp_stride + rcols[None, :], mask=km, other=0.0)
+        km = rmask[:, None] & (rcols < r)[None, :]
+        kf = tl.load(kp_ptr + rows64[:, None] * kp_stride + rcols[None, :], mask=km,
+                     other=0.0).to(tl.float32)
+        s_kk = tl.sum(kf * kf, axis=1)
+        s_kq = tl.sum(kf * q[None, :], axis=1)
     else:
-        kf = tl.load(p_ptr + rows64[:, None] * p_stride + (rcols + (d - r))[None, :], mask=km,
-                     other=0.0)
-        if UPDATE:
-            ky = tl.load(y_ptr + rows64[:, None] * y_stride + (rcols + (d - r))[None, :],
-                         mask=km, other=0.0)
-            kf = (kf.to(tl.float32) + ky.to(tl.float32)).to(p_ptr.dtype.element_ty)
-    kf = kf.to(tl.float32)
-    q = tl.load(q_ptr + rcols, mask=rcols < r, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) / r + eps)
-    l_p = scale * rstd * tl.sum(kf * q[None, :], axis=1)
-    lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
+        kf = pf
+        s_kk = tl.sum(tl.where(keycol[None, :], pf * pf, 0.0), axis=1)
+        s_kq = tl.sum(pf * qd[None, :], axis=1)
+    return s_kk, s_kq, kf
+
+
+@triton.jit
+def _weights(s_kk, s_kq, lse, r, eps, scale):
+    # from the key's row sums and lse, each [BT]: rstd, l_P, a_o = e^(lse-m)/sum, a_p = 1-a_o
+    rstd = 1.0 / tl.sqrt(s_kk / r + eps)
+    l_p = scale * rstd * s_kq
     m = tl.maximum(lse, l_p)
     w_o = tl.exp(lse - m)
     w_p = tl.exp(l_p - m)
     a_o = w_o / (w_o + w_p)
-    return kf, q, rstd, l_p, a_o, 1.0 - a_o
+    return rstd, l_p, a_o, 1.0 - a_o
 
 
 @triton.jit
@@ -81,21 +85,44 @@ def merge_fwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_strid
     cols = tl.arange(0, BD)
     rcols = tl.arange(0, BR)
     m2 = rmask[:, None] & (cols < d)[None, :]
-    kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr, lse_ptr,
-                                          rows64, rmask, rcols, d, r, eps, scale, PROJECTED,
-                                          y_ptr, y_stride, UPDATE)
-    # (loading these rows before the key's reductions made no difference here, unlike in
-    # the backward: one program per token keeps enough loads in flight)
+    keycol = (cols >= d - r) & (cols < d)
+    q = tl.load(q_ptr + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+    qd = tl.load(q_ptr + (cols - (d - r)), mask=keycol, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
     pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+    lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
     if UPDATE:
         yv = tl.load(y_ptr + rows64[:, None] * y_stride + cols[None, :], mask=m2, other=0.0)
         pv = (pv.to(tl.float32) + yv.to(tl.float32)).to(pn_ptr.dtype.element_ty)
         tl.store(pn_ptr + rows64[:, None] * d + cols[None, :], pv, mask=m2)
-    h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pv.to(tl.float32)
+    pf = pv.to(tl.float32)
+    s_kk, s_kq, kf = _key_sums(pf, q, qd, keycol, kp_ptr, kp_stride, rows64, rmask, rcols, r,
+                               PROJECTED)
+    rstd, l_p, a_o, a_p = _weights(s_kk, s_kq, lse, r, eps, scale)
+    h = a_o[:, None] * o.to(tl.float32) + a_p[:, None] * pf
     if NORM:
         h = _rms_norm(h, w_ptr, cols, d, norm_eps, h_ptr.dtype.element_ty)
     tl.store(h_ptr + rows64[:, None] * d + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd_rows(tb, T, d, o_ptr, o_stride, lse_ptr, p_ptr, p_stride, g_ptr, g_stride, gp_ptr,
+              gp_stride, cols, BT: tl.constexpr, ADD_GP: tl.constexpr):
+    # the backward's loads for token block tb (masked off past the last block): g, out, P,
+    # P's own gradient (g again without ADD_GP) and lse
+    rows = tb * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    m2 = rmask[:, None] & (cols < d)[None, :]
+    g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
+    o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
+    pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
+    if ADD_GP:
+        gp = tl.load(gp_ptr + rows64[:, None] * gp_stride + cols[None, :], mask=m2, other=0.0)
+    else:
+        gp = g
+    lse = tl.load(lse_ptr + rows64, mask=rmask, other=0.0)
+    return g, o, pv, gp, lse
 
 
 @triton.jit
@@ -103,7 +130,8 @@ def merge_bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_strid
                      g_ptr, g_stride, do_ptr, dlse_ptr, dp_ptr, dkp_ptr, gq_part_ptr, gp_ptr,
                      gp_stride, w_ptr, dw_part_ptr, T, d, r, eps, scale, norm_eps, n_blocks,
                      PROJECTED: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                     BR: tl.constexpr, ADD_GP: tl.constexpr, NORM: tl.constexpr):
+                     BR: tl.constexpr, ADD_GP: tl.constexpr, NORM: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     # ADD_GP: the partial sum's own gradient (its later uses) is added to the merge's, so
     # that dp is the gradient of both summands of P = p + y
     # NORM: g is the gradient of RMSNorm(h) * w; h is recomputed from out and P (it is not
@@ -116,68 +144,88 @@ def merge_bwd_kernel(o_ptr, o_stride, lse_ptr, p_ptr, p_stride, kp_ptr, kp_strid
     cols = tl.arange(0, BD)
     rcols = tl.arange(0, BR)
     keycol = (cols >= d - r) & (cols < d)
-    gq = tl.zeros([BR], tl.float32)
+    q = tl.load(q_ptr + rcols, mask=rcols < r, other=0.0).to(tl.float32)
+    qd = tl.load(q_ptr + (cols - (d - r)), mask=keycol, other=0.0).to(tl.float32)
+    if NORM:
+        w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+    # the query's gradient: over the rank tile for projected keys, over the key columns of
+    # the row tile for sliced ones
+    if PROJECTED:
+        gq = tl.zeros([BR], tl.float32)
+    else:
+        gq = tl.zeros([BD], tl.float32)
     dw = tl.zeros([BD], tl.float32)
+    if PREFETCH:
+        g, o, pv, gpv, lse = _bwd_rows(pid, T, d, o_ptr, o_stride, lse_ptr, p_ptr, p_stride,
+                                       g_ptr, g_stride, gp_ptr, gp_stride, cols, BT, ADD_GP)
     for tb in range(pid, n_blocks, nprog):
         rows = tb * BT + tl.arange(0, BT)
         rmask = rows < T
         rows64 = rows.to(tl.int64)
         m2 = rmask[:, None] & (cols < d)[None, :]
-        # the rows are loaded before the key's reductions so that their loads overlap them
-        g = tl.load(g_ptr + rows64[:, None] * g_stride + cols[None, :], mask=m2, other=0.0)
-        o = tl.load(o_ptr + rows64[:, None] * o_stride + cols[None, :], mask=m2, other=0.0)
-        pv = tl.load(p_ptr + rows64[:, None] * p_stride + cols[None, :], mask=m2, other=0.0)
-        kf, q, rstd, l_p, a_o, a_p = _weights(p_ptr, p_stride, kp_ptr, kp_stride, q_ptr,
-                                              lse_ptr, rows64, rmask, rcols, d, r, eps, scale,
-                                              PROJECTED)
-        g = g.to(tl.float32)
-        pv = pv.to(tl.float32)
+        if PREFETCH:
+            # the next block's loads are in flight while this one is computed and stored
+            g_n, o_n, pv_n, gpv_n, lse_n = _bwd_rows(
+                tb + nprog, T, d, o_ptr, o_stride, lse_ptr, p_ptr, p_stride, g_ptr, g_stride,
+                gp_ptr, gp_stride, cols, BT, ADD_GP)
+        else:
+            g, o, pv, gpv, lse = _bwd_rows(tb, T, d, o_ptr, o_stride, lse_ptr, p_ptr, p_stride,
+                                           g_ptr, g_stride, gp_ptr, gp_stride, cols, BT, ADD_GP)
+        gf = g.to(tl.float32)
+        pf = pv.to(tl.float32)
         of = o.to(tl.float32)
+        s_kk, s_kq, kf = _key_sums(pf, q, qd, keycol, kp_ptr, kp_stride, rows64, rmask, rcols,
+                                   r, PROJECTED)
+        rstd, l_p, a_o, a_p = _weights(s_kk, s_kq, lse, r, eps, scale)
         if NORM:
             # expanded: h = a_o out + a_p P (unrounded), so every row sum is a sum over loaded
             # rows only (<o,o>, <o,P>, <P,P>, <gw,o>, <gw,P>), independent of the key's
             # reductions; dL/dh = n gw - b h, n = 1/rms(h), b = n^3 <gw, h> / d
-            w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-            gw = g * w[None, :]
+            gw = gf * w[None, :]
             s_oo = tl.sum(of * of, axis=1)
-            s_op = tl.sum(of * pv, axis=1)
-            s_pp = tl.sum(pv * pv, axis=1)
+            s_op = tl.sum(of * pf, axis=1)
+            s_pp = tl.sum(pf * pf, axis=1)
             s_go = tl.sum(gw * of, axis=1)
-            s_gp = tl.sum(gw * pv, axis=1)
+            s_gp = tl.sum(gw * pf, axis=1)
             s_hh = a_o * a_o * s_oo + 2.0 * a_o * a_p * s_op + a_p * a_p * s_pp
             nrstd = 1.0 / tl.sqrt(s_hh / d + norm_eps)
             b = nrstd * nrstd * nrstd * (a_o * s_go + a_p * s_gp) / d
-            h = a_o[:, None] * of + a_p[:, None] * pv
-            dw += tl.sum(g * h * nrstd[:, None], axis=0)
-            g = nrstd[:, None] * gw - b[:, None] * h
+            h = a_o[:, None] * of + a_p[:, None] * pf
+            dw += tl.sum(gf * h * nrstd[:, None], axis=0)
+            gf = nrstd[:, None] * gw - b[:, None] * h
             dot_o = nrstd * s_go - b * (a_o * s_oo + a_p * s_op)
             dot_p = nrstd * s_gp - b * (a_o * s_op + a_p * s_pp)
         else:
-            dot_o = tl.sum(g * of, axis=1)
-            dot_p = tl.sum(g * pv, axis=1)
+            dot_o = tl.sum(gf * of, axis=1)
+            dot_p = tl.sum(gf * pf, axis=1)
         # two-source softmax: dlse = a_o a_p (<g, out> - <g, P>), dl_P = -dlse
         dlse = a_o * a_p * (dot_o - dot_p)
         dl_p = -dlse
         c = rstd * rstd * l_p / r * dl_p
-        dp = a_p[:, None] * g
+        dq = scale * rstd * dl_p
+        dp = a_p[:, None] * gf
         if PROJECTED:
-            dk = (scale * rstd * dl_p)[:, None] * q[None, :] - kf * c[:, None]
+            dk = dq[:, None] * q[None, :] - kf * c[:, None]
             tl.store(dkp_ptr + rows64[:, None] * r + rcols[None, :],
                      dk.to(dkp_ptr.dtype.element_ty), mask=rmask[:, None] & (rcols < r)[None, :])
+            gq += tl.sum(dq[:, None] * kf, axis=0)
         else:
-            qd = tl.load(q_ptr + (cols - (d - r)), mask=keycol, other=0.0).to(tl.float32)
-            dk = (scale * rstd * dl_p)[:, None] * qd[None, :] - pv * c[:, None]
+            dk = dq[:, None] * qd[None, :] - pf * c[:, None]
             dp += tl.where(keycol[None, :], dk, 0.0)
+            gq += tl.sum(dq[:, None] * pf, axis=0)
         if ADD_GP:
-            dp += tl.load(gp_ptr + rows64[:, None] * gp_stride + cols[None, :], mask=m2,
-                          other=0.0).to(tl.float32)
+            dp += gpv.to(tl.float32)
         tl.store(do_ptr + rows64[:, None] * d + cols[None, :],
-                 (a_o[:, None] * g).to(do_ptr.dtype.element_ty), mask=m2)
+                 (a_o[:, None] * gf).to(do_ptr.dtype.element_ty), mask=m2)
         tl.store(dp_ptr + rows64[:, None] * d + cols[None, :], dp.to(dp_ptr.dtype.element_ty),
                  mask=m2)
         tl.store(dlse_ptr + rows64, dlse, mask=rmask)
-        gq += tl.sum((scale * rstd * dl_p)[:, None] * kf, axis=0)
-    tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
+        if PREFETCH:
+            g, o, pv, gpv, lse = g_n, o_n, pv_n, gpv_n, lse_n
+    if PROJECTED:
+        tl.store(gq_part_ptr + pid.to(tl.int64) * r + rcols, gq, mask=rcols < r)
+    else:
+        tl.store(gq_part_ptr + pid.to(tl.int64) * r + (cols - (d - r)), gq, mask=keycol)
     if NORM:
         tl.store(dw_part_ptr + pid.to(tl.int64) * d + cols, dw, mask=cols < d)
 
@@ -188,7 +236,8 @@ KERNELS = (merge_fwd_kernel, merge_bwd_kernel)
 def launch(d: int, r: int, T: int):
     """(settings, tile constexprs) of both merge kernels at width d, key rank r, T tokens."""
     cfg = tuning.merge(d, T)
-    return cfg, dict(BT=cfg.tokens, BD=tu.pow2(d), BR=tu.key_tile(r, cfg.warps))
+    return cfg, dict(BT=cfg.tokens, BD=tu.pow2(d),
+                     BR=tu.key_tile(r, max(cfg.warps, cfg.bwd_warps)))
 
 
 def _merge_fwd(q, eps, scale, out, lse, partial, pkey, update, norm_w=None, norm_eps=0.0):
@@ -236,8 +285,8 @@ def _merge_bwd(q, eps, scale, out, lse, partial, pkey, grad_h, grad_p, need_gq, 
         out, out.stride(0), lse, partial, partial.stride(0), kp, kp.stride(0), q,
         g, g.stride(0), do, dlse, dp, dkp if projected else dp, parts, gp, gp.stride(0),
         norm_w if norm else q, w_parts, T, d, r, eps, scale, norm_eps, n_blocks,
-        PROJECTED=projected, ADD_GP=grad_p is not None, NORM=norm, num_warps=cfg.warps,
-        **tiles)
+        PROJECTED=projected, ADD_GP=grad_p is not None, NORM=norm, PREFETCH=cfg.prefetch,
+        num_warps=cfg.bwd_warps, **tiles)
     gq = parts.sum(0).to(q.dtype) if need_gq else None
     gw = w_parts.sum(0).to(norm_w.dtype) if norm else None
     return gq, do, dlse, dp, dkp, gw
