@@ -76,9 +76,11 @@ class LRAttnResLayer(TransformerLayer):
         out = F.dropout(out, p=self.hidden_dropout, training=self.training)
         if not self.config.projected_keys:
             return out, None
+        # the value stays a view with rows d + r apart: the depth kernels take row strides,
+        # and a copy to d-wide rows cost 2.2 ms per 0.5b step (H100)
         d = self.config.hidden_size
         value, key = out.split([d, out.shape[-1] - d], dim=-1)
-        return value.contiguous(), rms_normalize(key, self.config.key_norm_eps)
+        return value, rms_normalize(key, self.config.key_norm_eps)
 
     def _read_input(self, depth_state: DepthState, query: Tensor, site: int, norm) -> Tensor:
         # a weighted torch RMSNorm can be applied inside a two-phase merge
