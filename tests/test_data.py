@@ -101,6 +101,7 @@ def test_preprocess_round_trip(prefix, tok, docs):
         assert tok.detokenize(ids[:-1]) == text
 
 
+@pytest.mark.slow  # a pool of spawned processes; the fast tier preprocesses in this process
 def test_preprocess_text_inputs_and_workers(workdir, tok_dir, tok):
     src = workdir / "txt"
     src.mkdir()

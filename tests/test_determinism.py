@@ -42,6 +42,7 @@ def test_a_te_switch_that_allows_nondeterminism_is_refused(monkeypatch, restore_
     assert parse_args(["--preset", "tiny", "--deterministic"]).deterministic
 
 
+@pytest.mark.slow  # a CLI run in a subprocess; the refusal itself is checked in-process above
 def test_lrattn_profile_reports_the_te_switch_in_one_line():
     import subprocess
     import sys

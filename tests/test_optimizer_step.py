@@ -145,10 +145,11 @@ def test_the_captured_update_matches_megatrons_step(mp, clip):
 
 def test_the_captured_update_leaves_a_nonfinite_step_untouched(mp):
     """A non-finite loss or gradient norm: [loss, norm, 0] comes back and weights, moments,
-    bf16 weights and step counts are as they were; the next finite step steps."""
+    bf16 weights and step counts are as they were; the next finite step steps. One layer:
+    every kind of tensor of the model, fewer programs of the interpreted kernel."""
     from megatron_lrattn.training.optimizer_step import MixedPrecisionAdamW
 
-    ddp, opt, _ = _build(["--clip-grad", "1.0"])
+    ddp, opt, _ = _build(["--clip-grad", "1.0", "--num-layers", "1", "--num-blocks", "2"])
     step = MixedPrecisionAdamW(opt)
     gen = torch.Generator().manual_seed(3)
     for b in ddp.buffers:

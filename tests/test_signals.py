@@ -55,22 +55,31 @@ FORK_UNDER_CTRL_C = textwrap.dedent("""
 """)
 
 
-def _fork_under_ctrl_c(mode):
-    proc = subprocess.run([sys.executable, "-c", FORK_UNDER_CTRL_C, mode], capture_output=True,
-                          text=True, timeout=120)
-    return proc.stdout.split("\n"), proc.stderr
+def _fork_under_ctrl_c(*modes):
+    """(stdout lines, stderr) of the script in each mode; the processes run side by side
+    (each spends seconds importing torch), each signalling only itself and its writer."""
+    procs = [subprocess.Popen([sys.executable, "-c", FORK_UNDER_CTRL_C, mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for mode in modes]
+    try:
+        outs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(out.split("\n"), err) for out, err in outs]
 
 
 @pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs os.fork")
 def test_ctrl_c_during_a_fork_is_lost_without_holding_and_raised_with_it():
-    out, err = _fork_under_ctrl_c("bare")
+    (out, err), (held, held_err) = _fork_under_ctrl_c("bare", "held")
     # The hazard itself: the interrupt vanished inside the hook, the writer died of it.
     assert "not interrupted" in out and "Exception ignored" in err, (out, err)
     assert "writer exit 3" in out, out
-    out, err = _fork_under_ctrl_c("held")
-    assert out[:2] == ["writer exit 0", "interrupted"], (out, err)
-    assert err.count("interrupt: finishing the checkpoint being written first") == 1, err
-    assert "Exception ignored" not in err, err
+    assert held[:2] == ["writer exit 0", "interrupted"], (held, held_err)
+    assert held_err.count("interrupt: finishing the checkpoint being written first") == 1, held_err
+    assert "Exception ignored" not in held_err, held_err
 
 
 def test_interrupts_held_raises_after_the_block():

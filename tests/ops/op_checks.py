@@ -12,13 +12,14 @@ DEVICE = "cuda" if CUDA else "cpu"
 # relative RMS error vs the float64 formula, per input dtype
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
-def shape_dtypes(names, slow_fp32=(), slow=()):
+def shape_dtypes(names, fast_fp32=(), slow=()):
     """``(name, dtype)`` parameters of a parity test, ids ``name-fp32`` / ``name-bf16``: bf16
-    (the training dtype) of every shape in the fast tier; fp32 of the shapes in ``slow_fp32``
-    and both dtypes of those in ``slow`` in the full suite only (interpreted, each takes a
-    second or more; on the GPU box every case runs)."""
+    (the training dtype) of every shape in the fast tier, fp32 only of the small shapes in
+    ``fast_fp32``; the other fp32 cases and both dtypes of the shapes in ``slow`` in the full
+    suite only (interpreted, each takes up to seconds; on the GPU box every case runs)."""
     return [pytest.param(n, dt, id=f"{n}-{k}",
-                         marks=[pytest.mark.slow] if n in slow or (k == "fp32" and n in slow_fp32)
+                         marks=[pytest.mark.slow] if n in slow or (k == "fp32"
+                                                                   and n not in fast_fp32)
                          else [])
             for n in names for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))]
 

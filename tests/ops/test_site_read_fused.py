@@ -18,7 +18,7 @@ from megatron_lrattn.ops import triton_utils as tu  # noqa: E402
 from megatron_lrattn.ops.site_read import fused  # noqa: E402
 
 
-@pytest.fixture(autouse=True, params=["token", "source"], ids=["token_tiled", "source_tiled"])
+@pytest.fixture(autouse=True, params=["token", "source"], ids=lambda family: f"{family}_tiled")
 def family(request):
     """Every test runs on both kernel families: token-tiled (one program = tokens x the
     padded width) and source-tiled (one token row per program, BL sources per step)."""
@@ -80,22 +80,41 @@ STRESS = {
 
 
 # The larger stress shapes and the recompute mode run in the full suite only: interpreted,
-# each takes seconds in the source-tiled family.
+# each takes seconds in the source-tiled family; so do odd_d_1000 there (the token-tiled
+# family reads it in the fast tier) and projected_two_sources (three_tokens and
+# one_source_projected read projected keys source-tiled in the fast tier).
 SLOW_STRESS = ("sliced", "projected", "many_sources", "many_sources_projected",
                "odd_d_1000_keys_in_rows")
+SLOW_SOURCE_TILED = ("odd_d_1000", "projected_two_sources")
+
+
+def _parity_cases():
+    """``(family, name, dtype)`` of test_parity, ids ``<family>_tiled-<name>-<dtype>``."""
+    cases = []
+    for family in ("token", "source"):
+        for case in shape_dtypes(STRESS, slow=SLOW_STRESS, fast_fp32=("one_source",)):
+            name, dtype = case.values
+            marks = list(case.marks)
+            if family == "source" and name in SLOW_SOURCE_TILED and not marks:
+                marks.append(pytest.mark.slow)
+            cases.append(pytest.param(family, name, dtype, id=f"{family}_tiled-{case.id}",
+                                      marks=marks))
+    return cases
 
 
 @pytest.mark.parametrize("save_output", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["saved_out", "recompute"])
-@pytest.mark.parametrize("name,dtype", shape_dtypes(
-    STRESS, slow=SLOW_STRESS,
-    slow_fp32=("attnres_r_eq_d", "odd_d_1000", "r_one", "projected_two_sources")))
-def test_parity(name, dtype, save_output):
+@pytest.mark.parametrize("family,name,dtype", _parity_cases(), indirect=["family"])
+def test_parity(family, name, dtype, save_output):
     T, d, r, S, projected = STRESS[name]
     check(T, d, r, S, dtype, projected, save_output)
 
 
-def test_fp16_and_leading_dims():
+# fp16 and leading dimensions: the source-tiled family in the full suite only (seconds
+# interpreted), the token-tiled family in the fast tier too
+@pytest.mark.parametrize("family", ["token", pytest.param("source", marks=pytest.mark.slow)],
+                         ids=["token_tiled", "source_tiled"], indirect=True)
+def test_fp16_and_leading_dims(family):
     check(5, 40, 12, 3, torch.float16, lead=(2,))
     check(4, 32, 32, 3, torch.float32, projected=True, lead=(2, 3))
 

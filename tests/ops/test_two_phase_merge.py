@@ -45,9 +45,11 @@ MERGE = {
 }
 
 
+# sliced and many_sources in the full suite only (their phase 1 takes most of the time; the
+# fast tier reads many sources in test_two_phase_phase1.py and merges the other five shapes)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,dtype", shape_dtypes(
-    MERGE, slow_fp32=("sliced", "projected", "many_sources")))
+    MERGE, slow=("sliced", "many_sources"), fast_fp32=("one_source",)))
 def test_merge_equals_read_over_sources_and_partial(name, dtype, backend):
     T, d, r, S, projected = MERGE[name]
     check_merge(T, d, r, S, dtype, projected, backend)
@@ -102,16 +104,21 @@ MERGE_UPDATE = {
 }
 
 
+# sliced in the full suite only (as in the merge tests around it): one_source and
+# test_merge_update_with_one_output_used update with sliced keys in the fast tier
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(MERGE_UPDATE))
+@pytest.mark.parametrize("name,dtype", shape_dtypes(
+    MERGE_UPDATE, slow=("sliced",), fast_fp32=("one_source",)))
 def test_merge_update_equals_read_over_updated_partial(name, dtype, backend):
     check_merge_update(*MERGE_UPDATE[name], dtype, backend)
 
 
+# projected keys in the full suite only: which output the gradient reaches does not depend
+# on them, and test_merge_update_equals_read_over_updated_partial merges with them in the
+# fast tier
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("use", [("h",), ("P",)], ids=["h_only", "P_only"])
-@pytest.mark.parametrize("projected", [False, True])
+@pytest.mark.parametrize("projected", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_merge_update_with_one_output_used(projected, use, backend):
     T, d, r, S = (9, 48, 12, 2)
     check_merge_update(T, d, r, S, projected, torch.float32, backend, use=use)
@@ -175,10 +182,26 @@ def check_merge_norm(T, d, r, S, projected, dtype, backend, update, norm_eps=1e-
     assert_table(errs, dtype, MERGED)
 
 
+# One op of each of the two largest fast shapes in the full suite only: projected's
+# merge_update (test_merge_update_equals_read_over_updated_partial updates with projected keys
+# in the fast tier) and odd_d_1000's merge (its merge_update normalises the same width).
+NORM_SLOW_OPS = {("projected", True), ("odd_d_1000", False)}
+
+
+def _norm_cases():
+    """``(name, dtype, update)`` of the fused-norm test, ids ``<name>-<dtype>-<op>``."""
+    cases = []
+    for case in shape_dtypes(MERGE_UPDATE, slow=("sliced",), fast_fp32=("one_source",)):
+        name, dtype = case.values
+        for update, op in ((False, "merge"), (True, "merge_update")):
+            marks = list(case.marks) or (
+                [pytest.mark.slow] if (name, update) in NORM_SLOW_OPS else [])
+            cases.append(pytest.param(name, dtype, update, id=f"{case.id}-{op}", marks=marks))
+    return cases
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("update", [False, True], ids=["merge", "merge_update"])
-@pytest.mark.parametrize("name,dtype", shape_dtypes(
-    MERGE_UPDATE, slow_fp32=("sliced", "projected", "odd_d_1000")))
+@pytest.mark.parametrize("name,dtype,update", _norm_cases())
 def test_merge_with_fused_rmsnorm_equals_read_then_norm(name, dtype, update, backend):
     check_merge_norm(*MERGE_UPDATE[name], dtype, backend, update)
 
